@@ -1,0 +1,27 @@
+# moeflow: `make run` (set up, fetch, run pretrain/tiny through a local Prefect deployment) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export DO_NOT_TRACK := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: setup run test
+
+$(BIN)/moeflow: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build is on local disk; an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/moeflow
+
+run: setup
+	$(BIN)/moeflow fetch tiny
+	$(BIN)/moeflow up tiny
+
+test: setup
+	$(BIN)/moeflow fetch smoke
+	$(BIN)/python -m pytest
+

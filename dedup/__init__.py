@@ -1,0 +1,1 @@
+"""Overlap detection: exact dedup within the corpus and n-gram contamination against benchmark test sets."""

@@ -1,0 +1,63 @@
+"""The document table that flows between data stages: one Parquet file of (id, source, domain, path, text)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DOCS = "docs.parquet"
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("domain", pa.string()),
+        ("path", pa.string()),  # the raw file the document came from (inside the data cache or the user's)
+        ("text", pa.large_string()),
+    ]
+)
+
+
+class DocWriter:
+    """Writes documents in row groups, so a stage never holds the whole corpus twice."""
+
+    def __init__(self, folder: Path, rows_per_group: int = 512):
+        self.path = Path(folder) / DOCS
+        self.rows_per_group = rows_per_group
+        self.count = 0
+        self._buf: list[dict] = []
+        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+
+    def write(self, doc: dict) -> None:
+        self._buf.append(doc)
+        self.count += 1
+        if len(self._buf) >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._writer.write_table(pa.Table.from_pylist(self._buf, schema=SCHEMA))
+            self._buf = []
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+    def __enter__(self) -> DocWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def iter_docs(folder: Path, columns: list[str] | None = None) -> Iterator[dict]:
+    """Documents of a stage's output, in stored order."""
+    f = pq.ParquetFile(Path(folder) / DOCS)
+    for i in range(f.num_row_groups):
+        yield from f.read_row_group(i, columns=columns).to_pylist()
+
+
+def count_docs(folder: Path) -> int:
+    return pq.ParquetFile(Path(folder) / DOCS).metadata.num_rows

@@ -1,0 +1,1 @@
+"""Prefect flows: the DAG, read top to bottom."""

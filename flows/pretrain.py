@@ -1,0 +1,53 @@
+"""The pretrain flow: registry packages to a trained dropless MoE and its model card, one cached task per stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+
+from moeflow import configs, ingest
+from moeflow.tasks.stages import Pipeline
+
+
+@flow(name="pretrain")
+def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | None = None) -> dict:
+    """Run the DAG for `config` (a preset name or a YAML path); `rerun` refreshes stages, `until` stops early."""
+    cfg = configs.load(config)
+    ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
+    run = Pipeline(cfg, rerun=rerun or (), until=until)
+
+    src = run("sources")
+    if src is not None:
+        ingest.resolve_sources(cfg)  # fetched package sources must match files before any data work
+    docs = run("ingest", sources=src)
+    docs = run("filter", docs=docs)
+    docs = run("dedup", docs=docs)
+    index = run("benchmarks", sources=src)
+    docs = run("decontaminate", docs=docs, index=index)
+    tok = run("tokenizer", docs=docs, sources=src)
+    shards = run("tokenize", docs=docs, tokenizer=tok)
+    mixed = run("mix", shards=shards, tokenizer=tok)
+    model = run("train", mix=mixed, tokenizer=tok)
+    evals = run("evaluate", model=model, mix=mixed)
+    card = run("card", evaluate=evals)
+
+    summary = {"config": cfg.name, "store": str(cfg.store_path()), "stages": run.stages,
+               "card": str(card.dir / "README.md") if card else None}
+    _record_run(cfg.store_path(), summary)
+    get_run_logger().info("moeflow %s: %s", cfg.name, summary["card"] or f"stopped after {until}")
+    return summary
+
+
+def _record_run(store: Path, summary: dict) -> None:
+    ctx = FlowRunContext.get()
+    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
+    runs = store / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / f"{run_id}.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    pretrain()

@@ -1,0 +1,243 @@
+"""Ingest: read every configured source into one document table, quarantining bad records with a reason.
+
+Sources are resolved before any work (`resolve_sources`): a path that matches nothing fails the run
+with a message naming the source. Document ids are `<source>/<file path>` for one-document-per-file
+sources and `<source>/<file path>#L<line>` (or `<source>/<id field>`) for JSONL records.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import gzip
+import io
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import zstandard
+
+from moeflow.configs import Format, RunConfig, SourceConfig
+from moeflow.documents import DocWriter
+from moeflow.lineage.ledger import Ledger
+from moeflow.sources import cache_dir, fetch
+
+log = logging.getLogger(__name__)
+VERSION = 1
+
+
+class SourceError(ValueError):
+    """A source cannot be read at all; the message names the source and the fix."""
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    config: SourceConfig
+    root: Path  # paths in ids are relative to this
+    files: tuple[Path, ...]
+    version: str | None  # the fetched package version, when the source comes from a package
+
+
+def _glob_root(pattern: str) -> Path:
+    parts = []
+    for part in Path(pattern).parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
+
+
+def resolve_source(src: SourceConfig) -> ResolvedSource | None:
+    """List a source's files (sorted); None for an optional source whose package is unavailable."""
+    version = None
+    if src.package:
+        receipt = fetch.read_receipt(src.package)
+        if receipt is None:
+            if src.optional:
+                log.warning("source %r skipped: package %s is not fetched on this machine", src.name, src.package)
+                return None
+            raise SourceError(
+                f"source {src.name!r}: package {src.package!r} is not in the data cache; run `moeflow fetch`"
+            )
+        version = receipt["version"]
+        pattern = str(fetch.tree(src.package) / src.path)
+    else:
+        pattern = str(Path(src.path).expanduser())
+    root = _glob_root(pattern)
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    files = [f for f in files if not any(fnmatch.fnmatch(f.relative_to(root).as_posix(), x) for x in src.exclude)]
+    if not files:
+        raise SourceError(
+            f"source {src.name!r}: path {pattern!r} matches no files"
+            + (" after its exclude patterns" if src.exclude else "")
+            + "; fix `path` in the config, or fetch the data with `moeflow fetch`"
+        )
+    if src.max_docs and src.format == Format.text:
+        files = files[: src.max_docs]
+    return ResolvedSource(config=src, root=root, files=tuple(files), version=version)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Before any work: user sources must match files, package sources must name known packages."""
+    from moeflow.sources.registry import get
+
+    for src in cfg.sources:
+        if src.package:
+            try:
+                get(src.package)
+            except KeyError as e:
+                raise SourceError(f"source {src.name!r}: {e.args[0]}") from None
+        else:
+            resolve_source(src)
+
+
+def resolve_sources(cfg: RunConfig) -> list[ResolvedSource]:
+    """Resolve every source before any work; raise on the first that matches nothing."""
+    return resolve_sources_list(cfg.sources)
+
+
+def resolve_sources_list(sources) -> list[ResolvedSource]:
+    return [r for r in (resolve_source(s) for s in sources) if r is not None]
+
+
+def _open_bytes(path: Path) -> bytes:
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        return gzip.decompress(raw)
+    if path.suffix == ".zst":
+        return _unzstd(raw)
+    return raw
+
+
+def _unzstd(raw: bytes) -> bytes:
+    """Decompress every frame; a file cut inside a frame raises EOFError (a stream reader would not notice)."""
+    parts, rest = [], raw
+    while rest:
+        d = zstandard.ZstdDecompressor().decompressobj()
+        parts.append(d.decompress(rest))
+        if not d.eof:
+            raise EOFError("truncated zstd file: its last frame is incomplete")
+        rest = d.unused_data
+    return b"".join(parts)
+
+
+class Quarantine(Exception):
+    """A record that cannot become a document: (reason, detail)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def _text(src: SourceConfig, value) -> str:
+    if not isinstance(value, str):
+        kind = "missing" if value is None else f"a {type(value).__name__}"
+        raise Quarantine("bad_text_field", f"field {src.text_field!r} is {kind}, not a string")
+    if "\x00" in value:
+        raise Quarantine("nul_bytes", "text contains NUL bytes")
+    if not value.strip():
+        raise Quarantine("empty_text", "text is empty or whitespace only")
+    return value
+
+
+def _records(rs: ResolvedSource) -> Iterator[tuple[str, Path, str | None, Quarantine | None]]:
+    """(doc id, file, text, quarantine) for every record of a source, bad ones included."""
+    src = rs.config
+    emitted = 0
+    for path in rs.files:
+        rel = path.relative_to(rs.root).as_posix()
+        base = f"{src.name}/{rel}"
+        try:
+            raw = _open_bytes(path)
+        except (OSError, EOFError, zstandard.ZstdError, gzip.BadGzipFile) as e:
+            yield base, path, None, Quarantine("unreadable_file", f"{type(e).__name__}: {e}")
+            continue
+        if src.format == Format.text:
+            try:
+                yield base, path, _text(src, raw.decode("utf-8")), None
+            except UnicodeDecodeError as e:
+                yield base, path, None, Quarantine("invalid_utf8", f"byte {e.start}: {e.reason}")
+            except Quarantine as q:
+                yield base, path, None, q
+            continue
+        if src.format == Format.parquet:
+            table = pq.read_table(io.BytesIO(raw))
+            rows = ((i + 1, row) for i, row in enumerate(table.to_pylist()))
+        else:
+            rows = _jsonl_rows(raw)
+        for line_no, row in rows:
+            if src.max_docs and emitted >= src.max_docs:
+                return
+            emitted += 1
+            doc_id = f"{base}#L{line_no}"
+            if isinstance(row, Quarantine):
+                yield doc_id, path, None, row
+                continue
+            if src.id_field and isinstance(row, dict) and row.get(src.id_field) is not None:
+                doc_id = f"{src.name}/{row[src.id_field]}"
+            try:
+                if not isinstance(row, dict):
+                    raise Quarantine("not_an_object", f"line {line_no} is a JSON {type(row).__name__}, not an object")
+                yield doc_id, path, _text(src, row.get(src.text_field)), None
+            except Quarantine as q:
+                yield doc_id, path, None, q
+
+
+def _jsonl_rows(raw: bytes) -> Iterator[tuple[int, object]]:
+    for line_no, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            yield line_no, Quarantine("invalid_utf8", f"line {line_no}, byte {e.start}: {e.reason}")
+        except json.JSONDecodeError as e:
+            yield line_no, Quarantine("invalid_json", f"line {line_no}: {e.msg} at column {e.colno}")
+
+
+def _portable(path: Path) -> str:
+    """A raw file's path as lineage records it: `cache:<path in the data cache>` or absolute."""
+    try:
+        return "cache:" + path.resolve().relative_to(cache_dir()).as_posix()
+    except ValueError:
+        return str(path.resolve())
+
+
+def run(sources: list[ResolvedSource], out: Path) -> dict:
+    """Write `docs.parquet` and `ledger.parquet` into `out`; return stats (per source and fate)."""
+    ledger = Ledger("ingest")
+    per_source: dict[str, dict] = {}
+    seen: set[str] = set()
+    n_in = 0
+    with DocWriter(out) as writer:
+        for rs in sources:
+            src = rs.config
+            stats = per_source.setdefault(
+                src.name,
+                {"files": len(rs.files), "documents": 0, "kept": 0, "quarantined": 0, "bytes": 0, "version": rs.version,
+                 "package": src.package, "license": src.license, "domain": src.domain},
+            )
+            for doc_id, path, text, q in _records(rs):
+                n_in += 1
+                stats["documents"] += 1
+                if q is None and doc_id in seen:
+                    q = Quarantine("duplicate_id", f"id {doc_id!r} already used in this source")
+                if q is not None:
+                    if doc_id in seen:  # keep ledger ids unique: a repeated id gets its position appended
+                        doc_id = f"{doc_id}@{n_in}"
+                    seen.add(doc_id)
+                    log.warning("source %r: %s (%s) quarantined: %s", src.name, path, doc_id, q)
+                    ledger.add(doc_id, "quarantined", q.reason, q.detail)
+                    stats["quarantined"] += 1
+                    continue
+                seen.add(doc_id)
+                writer.write({"id": doc_id, "source": src.name, "domain": src.domain, "path": _portable(path), "text": text})
+                ledger.kept(doc_id)
+                stats["kept"] += 1
+                stats["bytes"] += len(text.encode("utf-8"))
+        n_out = writer.count
+    ledger.write(out)
+    return {**ledger.check(n_in, n_out), "sources": per_source}

@@ -1,0 +1,1 @@
+"""Lineage: content-addressed artifacts, per-artifact lineage records and the document ledger."""

@@ -1,0 +1,147 @@
+"""Content-addressed artifacts: `<store>/<stage>/<stage>-<hash>/` with `manifest.json` and `lineage.json`.
+
+`hash` covers the stage name, its code version, the config fields that change its output and the
+content hashes of its inputs, so an artifact's path is its version. `content_hash` covers the
+bytes it holds (the xxh3 of every file), so downstream stages rerun only when it changes.
+An artifact is written to a temporary folder and renamed into place; a folder without a complete
+manifest is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+MANIFEST = "manifest.json"
+LINEAGE = "lineage.json"
+
+
+class ArtifactError(RuntimeError):
+    """A stored artifact is missing, incomplete or corrupt; the message says how to rebuild it."""
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def stage_hash(stage: str, version: int, config: Any, inputs: dict[str, str]) -> str:
+    """The key of a stage's output: stage, code version, config that matters, input content hashes."""
+    payload = canonical_json({"stage": stage, "version": version, "config": config, "inputs": inputs})
+    return xxhash.xxh3_64_hexdigest(payload.encode())
+
+
+def file_xxh3(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What an arrow of the DAG carries: where an artifact is and what it holds, never the data."""
+
+    stage: str
+    hash: str
+    content_hash: str
+    path: str  # absolute path of the artifact folder
+    files: dict[str, dict] = field(default_factory=dict)  # relpath -> {"bytes", "xxh3"}
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.path)
+
+    def file(self, rel: str) -> Path:
+        if rel not in self.files:
+            raise ArtifactError(f"artifact {self.path} has no file {rel!r}")
+        return self.dir / rel
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = Path(folder) / MANIFEST
+        if not path.exists():
+            raise ArtifactError(f"{folder} has no {MANIFEST}: it is not a complete artifact")
+        data = json.loads(path.read_text())
+        data["path"] = str(Path(folder).resolve())  # the store may have moved
+        return cls(**data)
+
+    def verify(self) -> None:
+        """Check every file against its xxh3 in the manifest."""
+        for rel, meta in self.files.items():
+            p = self.dir / rel
+            if not p.exists() or p.stat().st_size != meta["bytes"] or file_xxh3(p) != meta["xxh3"]:
+                raise ArtifactError(
+                    f"{p} is missing or does not match its checksum in {self.dir / MANIFEST}; "
+                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage}`"
+                )
+
+
+class Store:
+    """An artifact store rooted at a local folder."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root).expanduser().resolve()
+
+    def folder(self, stage: str, key: str) -> Path:
+        return self.root / stage / f"{stage}-{key}"
+
+    def get(self, stage: str, key: str) -> Manifest | None:
+        folder = self.folder(stage, key)
+        if not (folder / MANIFEST).exists():
+            return None
+        return Manifest.read(folder)
+
+    def staging(self, stage: str) -> Path:
+        parent = self.root / stage
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{stage}-tmp-", dir=parent))
+
+    def commit(self, stage: str, key: str, tmp: Path, stats: dict, lineage: dict) -> Manifest:
+        """Checksum, write manifest and lineage, fsync, and rename `tmp` into place (replacing an old one)."""
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
+        content = xxhash.xxh3_64_hexdigest(canonical_json(files).encode())
+        final = self.folder(stage, key)
+        manifest = Manifest(stage=stage, hash=key, content_hash=content, path=str(final), files=files, stats=stats)
+        lineage = {**lineage, "artifact": {"stage": stage, "hash": key, "content_hash": content}}
+        _write_synced(tmp / LINEAGE, json.dumps(lineage, indent=2, sort_keys=True, default=str))
+        _write_synced(tmp / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str))
+        if final.exists():  # a rerun replaces the old artifact; move it aside first so the swap is atomic
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        return manifest
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,65 @@
+"""The lineage record written beside every artifact: what made it, from what, with which code, when, where."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import xxhash
+
+from moeflow import __version__
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict:
+    """Git commit (and whether the tree had uncommitted changes) plus a hash of the package's sources."""
+    h = xxhash.xxh3_64()
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        rel = path.relative_to(PACKAGE_ROOT)
+        if rel.parts[0] in ("tests", "benchmarks", ".venv") or "site-packages" in rel.parts:
+            continue
+        h.update(rel.as_posix().encode())
+        h.update(path.read_bytes())
+    commit, dirty = "unknown", None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_ROOT,
+                                capture_output=True, text=True, check=True).stdout
+        dirty = bool(status.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {"commit": commit, "dirty": dirty, "source_hash": h.hexdigest(), "moeflow_version": __version__}
+
+
+@functools.lru_cache(maxsize=1)
+def host() -> dict:
+    import torch
+
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def prefect_context() -> dict:
+    """Flow-run and task-run ids when called inside Prefect, else empty."""
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+    except ImportError:  # pragma: no cover - prefect is a dependency
+        return {}
+    out = {}
+    flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
+    if flow_ctx and flow_ctx.flow_run:
+        out["flow_run_id"] = str(flow_ctx.flow_run.id)
+        out["flow_run_name"] = flow_ctx.flow_run.name
+        if flow_ctx.flow_run.deployment_id:
+            out["deployment_id"] = str(flow_ctx.flow_run.deployment_id)
+    if task_ctx and task_ctx.task_run:
+        out["task_run_id"] = str(task_ctx.task_run.id)
+    return out

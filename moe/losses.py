@@ -1,0 +1,20 @@
+"""Auxiliary MoE losses as pure functions: load balancing (Switch/MegaBlocks form) and router z-loss.
+
+Legend: T tokens, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(*, probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """E / (T*K) * sum_e count_e * mean_t p_te: 1.0 when routing is perfectly uniform."""
+    num_tokens, num_experts = probs_TE.shape
+    scale = num_experts / (num_tokens * top_k)
+    return scale * torch.dot(tokens_per_expert_E.to(probs_TE.dtype), probs_TE.mean(dim=0))
+
+
+def router_z_loss(*, logits_TE: torch.Tensor) -> torch.Tensor:
+    """mean_t logsumexp(logits_t)^2: keeps router logits small (ST-MoE)."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()

@@ -1,0 +1,85 @@
+"""A decoder-only transformer with a dropless MoE feed-forward in every layer (RMSNorm, RoPE, SDPA).
+
+Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.configs import ModelConfig
+from moeflow.moe.layer import MoE
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # (S, Dh/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BHSDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHSDh[..., 0::2], x_BHSDh[..., 1::2]
+    rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rot.flatten(-2).type_as(x_BHSDh)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, Dh)
+        return self.out(y.transpose(1, 2).reshape(B, S, D))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg.d_model, cfg.n_heads)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model)
+        self.moe = MoE(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        y, aux = self.moe(self.ffn_norm(x))
+        return x + y, aux
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        S = tokens_BS.shape[1]
+        x = self.embed(tokens_BS)
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        auxes = []
+        for block in self.blocks:
+            x, aux = block(x, cos, sin)
+            auxes.append(aux)
+        logits_BSV = self.norm(x) @ self.embed.weight.T  # tied LM head
+        return logits_BSV, auxes
+
+    def num_params(self) -> dict[str, int]:
+        """Total and active parameters (active: each token uses top_k of num_experts experts)."""
+        total = sum(p.numel() for p in self.parameters())
+        expert = sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
+        inactive = expert * (self.cfg.num_experts - self.cfg.top_k) // self.cfg.num_experts
+        return {"total": total, "active": total - inactive, "expert": expert}

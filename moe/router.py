@@ -1,0 +1,36 @@
+"""Token-choice top-k router (parameter `router.layer.weight` [E, D], as in MegaBlocks).
+
+Legend: T tokens, D model width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Routing:
+    logits_TE: torch.Tensor
+    probs_TE: torch.Tensor
+    weights_TK: torch.Tensor  # routing weights of the chosen experts
+    experts_TK: torch.Tensor  # chosen expert ids (int64)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, jitter: float = 0.0, normalize: bool = True):
+        super().__init__()
+        self.num_experts, self.top_k, self.jitter, self.normalize = num_experts, top_k, jitter, normalize
+        self.layer = nn.Linear(d_model, num_experts, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        if self.training and self.jitter > 0:
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits_TE = self.layer(x_TD)
+        probs_TE = logits_TE.softmax(dim=-1, dtype=torch.promote_types(logits_TE.dtype, torch.float32))
+        weights_TK, experts_TK = probs_TE.topk(self.top_k, dim=-1)
+        if self.normalize and self.top_k > 1:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return Routing(logits_TE, probs_TE, weights_TK.to(x_TD.dtype), experts_TK)

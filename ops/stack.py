@@ -1,0 +1,123 @@
+"""A local Prefect stack for `make run` and the end-to-end test: server, process worker, deployments, clean stop.
+
+`LocalStack` starts `prefect server start` on 127.0.0.1 (waiting up to `startup_timeout` for its
+health check), creates a process work pool, starts a worker on it, deploys `prefect.yaml`, and on
+exit stops the worker before the server, each by its PID (process group). Its state lives in
+`home` (PREFECT_HOME); logs are `home/server.log` and `home/worker.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from moeflow.lineage.record import PACKAGE_ROOT
+
+POOL = "moeflow"
+QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
+
+
+class StackError(RuntimeError):
+    """The local stack could not start; the message points at the log to read."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalStack:
+    def __init__(self, home: Path, *, port: int | None = None, root: Path = PACKAGE_ROOT, startup_timeout: float = 90):
+        self.home, self.root, self.startup_timeout = Path(home).resolve(), Path(root).resolve(), startup_timeout
+        self.port = port or free_port()
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.env = {**os.environ, **QUIET, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
+                    "MOEFLOW_ROOT": str(self.root)}
+        self.env.pop("PREFECT_PROFILES_PATH", None)
+        self.server: subprocess.Popen | None = None
+        self.worker: subprocess.Popen | None = None
+        if not (self.root / "prefect.yaml").exists():
+            raise StackError(f"{self.root} has no prefect.yaml: run moeflow's stack from a checkout of the repository")
+
+    def _prefect(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=self.root,
+                              capture_output=True, text=True, **kw)
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.home / f"{name}.log", "ab")
+        return subprocess.Popen([sys.executable, "-m", "prefect", *args], env=self.env, cwd=self.root, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def start(self) -> LocalStack:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.server = self._spawn("server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port))
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._healthy():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"the Prefect server did not become healthy on {self.api_url} within "
+                                 f"{self.startup_timeout:.0f} s; see {self.home / 'server.log'}")
+            time.sleep(0.5)
+        made = self._prefect("work-pool", "create", POOL, "--type", "process", "--overwrite")
+        if made.returncode != 0:
+            self.stop()
+            raise StackError(f"could not create work pool {POOL!r}: {made.stdout}{made.stderr}")
+        self.worker = self._spawn("worker", "worker", "start", "--pool", POOL, "--type", "process")
+        deployed = self._prefect("--no-prompt", "deploy", "--all")
+        if deployed.returncode != 0:
+            self.stop()
+            raise StackError(f"`prefect deploy --all` failed:\n{deployed.stdout[-3000:]}{deployed.stderr[-3000:]}")
+        return self
+
+    def run_deployment(self, name: str, *, timeout: float | None = None, echo: bool = True) -> tuple[int, str, str | None]:
+        """`prefect deployment run NAME --watch`: (exit code, output, flow run id)."""
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"], env=self.env,
+                                cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if deadline and time.monotonic() > deadline:
+                proc.kill()
+                break
+        rc = proc.wait()
+        out = "".join(lines)
+        match = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
+        return rc, out, match.group(1) if match else None
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.server):  # the worker first: it reports to the server
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

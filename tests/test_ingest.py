@@ -1,0 +1,70 @@
+"""Ingest: bad records are quarantined with a reason, every record is in the ledger, a bad path fails early."""
+
+import json
+
+import pytest
+import zstandard
+
+from moeflow import ingest
+from moeflow.configs import SourceConfig
+from moeflow.documents import iter_docs
+from moeflow.lineage.ledger import read as read_ledger
+
+GOOD = "a perfectly ordinary document " * 3
+
+
+def _source(tmp_path, name="user", pattern="*.jsonl*", **kw):
+    return SourceConfig(name=name, path=str(tmp_path / "in" / pattern), format="jsonl", domain="web", license="cc0", **kw)
+
+
+def test_bad_records_are_quarantined_with_reasons(tmp_path):
+    (tmp_path / "in").mkdir()
+    lines = [
+        json.dumps({"id": "a", "text": GOOD}).encode(),
+        b'{"id": "b", "text": "unterminated',
+        json.dumps({"id": "c"}).encode(),
+        json.dumps({"id": "d", "text": 42}).encode(),
+        json.dumps({"id": "e", "text": "nul\x00byte"}).encode(),
+        json.dumps({"id": "f", "text": "   \n\t "}).encode(),
+        b'{"id": "g", "text": "caf\xe9"}',
+        json.dumps([1, 2]).encode(),
+        json.dumps({"id": "a", "text": GOOD + "again"}).encode(),
+    ]
+    (tmp_path / "in" / "part-0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    good = zstandard.ZstdCompressor().compress((json.dumps({"id": "z", "text": GOOD}) + "\n").encode())
+    (tmp_path / "in" / "part-1.jsonl.zst").write_bytes(good[: len(good) // 2])  # truncated archive
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(ingest.resolve_sources_list([_source(tmp_path, id_field="id")]), out)
+
+    fates = {r["doc_id"]: (r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()}
+    assert fates["user/a"] == ("kept", "")
+    assert fates["user/part-0.jsonl#L2"] == ("quarantined", "invalid_json")
+    assert fates["user/c"] == ("quarantined", "bad_text_field")
+    assert fates["user/d"] == ("quarantined", "bad_text_field")
+    assert fates["user/e"] == ("quarantined", "nul_bytes")
+    assert fates["user/f"] == ("quarantined", "empty_text")
+    assert fates["user/part-0.jsonl#L7"] == ("quarantined", "invalid_utf8")
+    assert fates["user/part-0.jsonl#L8"] == ("quarantined", "not_an_object")
+    assert [v for k, v in fates.items() if k.startswith("user/a@")] == [("quarantined", "duplicate_id")]
+    assert fates["user/part-1.jsonl.zst"] == ("quarantined", "unreadable_file")
+    assert stats["documents_in"] == 10 == len(fates)
+    assert stats["documents_out"] == 1 == len(list(iter_docs(out)))
+    assert stats["fates"]["quarantined"] == 9
+
+
+def test_source_matching_nothing_fails_naming_it(tmp_path):
+    with pytest.raises(ingest.SourceError, match=r"source 'wiki': path .* matches no files"):
+        ingest.resolve_source(_source(tmp_path, name="wiki"))
+
+
+def test_text_files_become_one_document_each(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "one.txt").write_text(GOOD)
+    (tmp_path / "in" / "two.txt").write_bytes(b"\xff\xfe broken")
+    src = SourceConfig(name="t", path=str(tmp_path / "in" / "*.txt"), domain="x", license="cc0")
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(ingest.resolve_sources_list([src]), out)
+    assert [d["id"] for d in iter_docs(out)] == ["t/one.txt"]
+    assert stats["fates"] == {"kept": 1, "quarantined": 1, "quarantined:invalid_utf8": 1}

@@ -1,0 +1,111 @@
+"""Sharded Arrow token stores: one row per document (id, source, domain, tokens) in zstd Arrow IPC shards.
+
+`index.parquet` maps every document to its shard, row and token count, so any token traces back to
+its document and raw source. Long documents are cut at line breaks before encoding (one very long
+document slows `encode_batch` for the whole batch); the pieces' tokens are concatenated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from moeflow.configs import TokenizerConfig
+from moeflow.documents import count_docs, iter_docs
+from moeflow.tokenize.tokenizer import load as load_tokenizer
+
+VERSION = 1
+INDEX = "index.parquet"
+PIECE_CHARS = 16_384
+BATCH_DOCS = 64
+
+
+def token_type(vocab_size: int) -> pa.DataType:
+    return pa.uint16() if vocab_size <= 65536 else pa.uint32()
+
+
+def pieces(text: str, limit: int = PIECE_CHARS) -> list[str]:
+    """Cut text after line breaks into pieces of at most about `limit` characters."""
+    out, start = [], 0
+    while len(text) - start > limit:
+        cut = text.rfind("\n", start, start + limit)
+        cut = start + limit if cut <= start else cut + 1
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def encode_docs(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    flat, owner = [], []
+    for i, text in enumerate(texts):
+        for p in pieces(text):
+            flat.append(p)
+            owner.append(i)
+    encs = tokenizer.encode_batch(flat, add_special_tokens=False)
+    out: list[list[int]] = [[] for _ in texts]
+    for i, enc in zip(owner, encs):
+        out[i].extend(enc.ids)
+    return [np.asarray(ids, dtype=np.int64) for ids in out]
+
+
+def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
+    tok = load_tokenizer(tokenizer_dir)
+    ttype = token_type(tok.get_vocab_size())
+    schema = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
+                        ("tokens", pa.large_list(ttype))])
+    index = {"doc_id": [], "source": [], "domain": [], "shard": [], "row": [], "tokens": []}
+    shard_no, rows_in_shard, tokens_in_shard, writer = 0, 0, 0, None
+    per_domain: dict[str, int] = {}
+    total = count_docs(docs_dir)
+    batch: list[dict] = []
+
+    def flush(batch: list[dict]) -> None:
+        nonlocal shard_no, rows_in_shard, tokens_in_shard, writer
+        ids = encode_docs(tok, [r["text"] for r in batch])
+        for r, toks in zip(batch, ids):
+            if writer is None:
+                path = out / f"shard-{shard_no:05d}.arrow"
+                writer = pa.ipc.new_file(path, schema, options=pa.ipc.IpcWriteOptions(compression="zstd"))
+            writer.write_table(pa.table({"doc_id": [r["id"]], "source": [r["source"]], "domain": [r["domain"]],
+                                         "tokens": pa.array([toks], type=pa.large_list(ttype))}, schema=schema))
+            for k, v in (("doc_id", r["id"]), ("source", r["source"]), ("domain", r["domain"]),
+                         ("shard", shard_no), ("row", rows_in_shard), ("tokens", len(toks))):
+                index[k].append(v)
+            per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + len(toks)
+            rows_in_shard += 1
+            tokens_in_shard += len(toks)
+            if tokens_in_shard >= cfg.shard_tokens:
+                writer.close()
+                writer, shard_no, rows_in_shard, tokens_in_shard = None, shard_no + 1, 0, 0
+
+    for row in tqdm(iter_docs(docs_dir), total=total, desc="tokenize", unit="doc", mininterval=5):
+        batch.append(row)
+        if len(batch) >= BATCH_DOCS:
+            flush(batch)
+            batch = []
+    if batch:
+        flush(batch)
+    if writer is not None:
+        writer.close()
+        shard_no += 1
+    pq.write_table(pa.table(index), out / INDEX)
+    return {"documents": len(index["doc_id"]), "tokens": int(sum(index["tokens"])), "shards": shard_no,
+            "tokens_per_domain": dict(sorted(per_domain.items())), "token_type": str(ttype)}
+
+
+def read_tokens(store_dir: Path) -> dict[str, np.ndarray]:
+    """doc id -> tokens, for every document of a store (fine at the scale of a skeleton run)."""
+    out = {}
+    for shard in sorted(Path(store_dir).glob("shard-*.arrow")):
+        with pa.memory_map(str(shard)) as src:
+            table = pa.ipc.open_file(src).read_all()
+        ids = table.column("doc_id").to_pylist()
+        toks = table.column("tokens")
+        for i, doc_id in enumerate(ids):
+            out[doc_id] = toks[i].values.to_numpy()
+    return out

