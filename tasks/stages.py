@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import xxhash
 from prefect import task
 from prefect.cache_policies import CacheKeyFnPolicy
 
@@ -168,10 +167,8 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
 
 
 def _cache_key(context, parameters: dict) -> str:
-    """Prefect's cache key: the artifact key, plus the store (one Prefect result folder per store)."""
-    cfg: RunConfig = parameters["cfg"]
-    key = artifact_key(STAGES[parameters["stage_name"]], cfg, parameters["inputs"])
-    return f"{parameters['stage_name']}-{key}-{xxhash.xxh3_64_hexdigest(str(cfg.store_path()))}"
+    """Prefect's cache key is the artifact's key; results persist in the store (`<store>/.prefect-results`)."""
+    return f"{parameters['stage_name']}-{artifact_key(STAGES[parameters['stage_name']], parameters['cfg'], parameters['inputs'])}"
 
 
 def _make_task(stage: Stage):
@@ -199,11 +196,12 @@ class Pipeline:
         if self.done:
             return None
         force = stage in self.rerun
-        state = TASKS[stage].with_options(refresh_cache=force)(stage, self.cfg, inputs, force=force, return_state=True)
+        task_ = TASKS[stage].with_options(refresh_cache=force, result_storage=self.cfg.store_path() / ".prefect-results")
+        state = task_(stage, self.cfg, inputs, force=force, return_state=True)
         manifest: Manifest = state.result()
         if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
             log.warning("%s: cached result points at missing %s; rebuilding", stage, manifest.path)
-            state = TASKS[stage].with_options(refresh_cache=True)(stage, self.cfg, inputs, return_state=True)
+            state = task_.with_options(refresh_cache=True)(stage, self.cfg, inputs, return_state=True)
             manifest = state.result()
         made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
         self.stages[stage] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,

@@ -105,3 +105,18 @@ def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path)
     with pytest.raises(SourceError, match="source 'mine'"):
         pretrain(config=str(path))
     assert not store.exists()
+
+
+def test_explain_follows_a_document_through_the_stages(cold, capsys):
+    from moeflow.cli import main
+    from moeflow.lineage.ledger import read as read_ledger
+
+    path, summary = cold
+    assert main(["explain", "shakespeare/hamlet_gut.txt", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("ingest", "filter", "dedup", "decontaminate"):
+        assert f"{stage:14s} kept" in out
+    assert "tokenize       shard-00000.arrow row" in out
+    dropped = [r for r in read_ledger(Path(summary["stages"]["filter"]["artifact"])).to_pylist() if r["fate"] == "dropped"]
+    assert main(["explain", dropped[0]["doc_id"], "--config", str(path)]) == 0
+    assert f"filter         dropped      {dropped[0]['reason']}" in capsys.readouterr().out

@@ -30,14 +30,18 @@ def is_heldout(doc_id: str, fraction: float) -> bool:
     return xxhash.xxh3_64_intdigest(doc_id.encode()) % 1_000_000 < fraction * 1_000_000
 
 
-def pack(docs: list[tuple[str, np.ndarray]], seq_len: int, eos: int, max_sequences: int | None = None):
-    """Pack documents (each followed by EOS) into rows of seq_len+1 tokens; a partial last row is dropped."""
+def pack(docs: list[tuple[str, np.ndarray, bool]], seq_len: int, eos: int, max_sequences: int | None = None):
+    """Pack (doc id, tokens, complete) into rows of seq_len+1 tokens; a partial last row is dropped.
+
+    A complete document is followed by EOS, which its segment covers at `doc_offset == len(tokens)`;
+    a document cut to the budget gets no EOS, since it does not end there.
+    """
     width = seq_len + 1
     rows, segments = [], []
     buf = np.empty(width, dtype=np.int64)
     fill, segs = 0, []
-    for doc_id, toks in docs:
-        toks = np.append(toks, eos)
+    for doc_id, toks, complete in docs:
+        toks = np.append(toks, eos) if complete else toks
         off = 0
         while off < len(toks):
             take = min(width - fill, len(toks) - off)
@@ -108,8 +112,9 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
             epochs += 1
             for i in rng.permutation(len(ids)):
                 doc_id = ids[i]
-                take = tokens[doc_id][: target - got]  # the last document may be cut to the budget
-                drawn.append((doc_id, take))
+                full = tokens[doc_id]
+                take = full[: target - got]  # the last document may be cut to the budget
+                drawn.append((doc_id, take, len(take) == len(full)))
                 got += len(take) + 1
                 if got >= target:
                     break
@@ -122,7 +127,7 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
 
     ho_rows, ho_segs, ho_domains = [], [], []
     for domain, ids in sorted(heldout.items()):
-        r, s = pack([(d, tokens[d]) for d in sorted(ids)], seq_len, eos)
+        r, s = pack([(d, tokens[d], True) for d in sorted(ids)], seq_len, eos)
         ho_rows += r
         ho_segs += s
         ho_domains += [domain] * len(r)
