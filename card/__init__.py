@@ -12,7 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-VERSION = 1
+VERSION = 2
 CARD, REPORT = "README.md", "lineage_report.md"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
@@ -84,7 +84,8 @@ def render_card(graph: dict[str, dict]) -> str:
         model_name=name,
         eval_results=[
             EvalResult(task_type="text-generation", dataset_type="moeflow-heldout", dataset_name=f"held-out {d}",
-                       dataset_split="heldout", metric_type="loss", metric_value=r["loss"])
+                       dataset_config=d, dataset_split="heldout", metric_type="loss", metric_name="held-out loss",
+                       metric_value=r["loss"])
             for d, r in sorted(heldout.items())
         ],
     )

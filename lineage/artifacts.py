@@ -9,6 +9,7 @@ manifest is never read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -38,11 +39,8 @@ def stage_hash(stage: str, version: int, config: Any, inputs: dict[str, str]) ->
 
 
 def file_xxh3(path: Path) -> str:
-    h = xxhash.xxh3_64()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, xxhash.xxh3_64).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 
 from moeflow import card
 from moeflow.flows.pretrain import pretrain
@@ -53,6 +54,9 @@ def test_card_reports_what_the_lineage_holds(cold):
         assert f"| {domain} | {r['loss']} |" in text
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["license"] == "other" and "PSF-2.0" in meta["license_name"]
+    parsed = ModelCard(text).data  # huggingface_hub validates the metadata
+    assert {r.dataset_config: r.metric_value for r in parsed.eval_results} == {
+        d: r["loss"] for d, r in lineage["evaluate"]["stats"]["heldout"].items()}
 
 
 def test_card_regenerates_identically_from_lineage(cold, tmp_path):
