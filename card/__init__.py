@@ -12,7 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-VERSION = 2
+VERSION = 3
 CARD, REPORT = "README.md", "lineage_report.md"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
@@ -125,10 +125,20 @@ def render_card(graph: dict[str, dict]) -> str:
                ["steps", ts["steps"]], ["tokens", f"{ts['tokens']:,}"], ["batch size", ts["batch_size"]],
                ["initial loss (mean of first 10 steps)", ts["initial_loss"]],
                ["final loss (mean of last 10 steps)", ts["final_loss"]], ["tokens/s", ts["tokens_per_s"]],
-               ["token drop rate", ts["token_drop_rate"]], ["train artifact", f"train-{train['artifact']['hash']}"],
+               ["schedule", f"{ts.get('schedule', 'cosine')}, {ts.get('precision', 'fp32')}"],
+               ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
+               ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
+               ["resumes", ", ".join(f"from step {r['from_step']}" for r in ts.get("resumes", [])) or "none"],
+               ["train artifact", f"train-{train['artifact']['hash']}"],
                ["code commit", code["commit"] + (" (uncommitted changes)" if code.get("dirty") else "")],
                ["source hash", code["source_hash"]], ["hardware", f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
                                                      + (f", {train['host']['cuda']}" if train['host'].get('cuda') else "")]]),
+           "", "## Training health", "",
+           _table(["field", "value"], [
+               ["token drop rate (mean over steps)", ts["token_drop_rate"]],
+               ["peak grad norm", ts.get("peak_grad_norm", "-")],
+               ["final load imbalance per MoE layer (max/mean)", ", ".join(map(str, ts.get("final_load_imbalance", [])))],
+               ["alarms", "; ".join(f"step {a['step']}: {a['alarm']}" for a in ts.get("alarms", [])) or "none"]]),
            "", "## Evaluation", "",
            _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
                   [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),

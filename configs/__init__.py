@@ -111,27 +111,67 @@ class ModelConfig(Frozen):
     shared_expert_hidden: int = Field(default=0, ge=0)  # 0: no shared expert
     glu: bool = True  # SwiGLU experts (w1, v1, w2) or a plain GELU MLP (w1, w2)
     backend: Literal["torch", "megablocks"] = "torch"
+    # None: dropless. A number: each expert takes at most ceil(cf * tokens * top_k / experts) assignments
+    # (first come, first served) and the rest are dropped: the comparison variant, it reports its drop rate.
+    capacity_factor: float | None = Field(default=None, gt=0)
+    moe_every: int = Field(default=1, ge=1)  # an MoE FFN in every k-th layer (counted after the dense ones)
+    dense_layers: int = Field(default=0, ge=0)  # the first N layers use a dense MLP
+    dense_hidden: int | None = Field(default=None, gt=0)  # default: top_k * expert_hidden (equal active width)
+    router_jitter: float = Field(default=0.0, ge=0, lt=1)  # multiplicative input noise while training
+    normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError("d_model must be divisible by n_heads")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("d_model / n_heads must be even (rotary embeddings rotate pairs)")
         if self.top_k > self.num_experts:
             raise ValueError("top_k must be <= num_experts")
+        if self.dense_layers > self.n_layers:
+            raise ValueError("dense_layers must be <= n_layers")
+        if self.backend == "megablocks" and self.capacity_factor is not None:
+            raise ValueError("capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless")
         return self
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.dense_layers and (layer - self.dense_layers) % self.moe_every == 0
+
+
+class AlarmConfig(Frozen):
+    window: int = Field(default=20, ge=2)  # steps of history the bands are computed from
+    loss_spike: float = Field(default=0.5, gt=0)  # alarm when loss > (1 + this) x the window's median
+    grad_norm_sigma: float = Field(default=6.0, gt=0)  # alarm when grad norm > mean + sigma x std of the window
+    stop: bool = False  # stop the run (failing the stage) on the first alarm
 
 
 class TrainConfig(Frozen):
     steps: int = Field(default=300, gt=0)
-    batch_size: int = Field(default=16, gt=0)
+    batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
+    grad_accum: int = Field(default=1, ge=1)  # micro-batches per step (batch_size must divide evenly)
     seq_len: int = Field(default=128, gt=1)
     lr: float = Field(default=3e-3, gt=0)
+    schedule: Literal["cosine", "wsd"] = "cosine"  # warmup then cosine, or warmup-stable-decay
+    decay_fraction: float = Field(default=0.2, gt=0, le=1)  # wsd: the share of steps spent decaying
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     warmup_steps: int = Field(default=20, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast where the device supports it
     load_balance_coef: float = Field(default=0.01, ge=0)
     router_z_coef: float = Field(default=0.001, ge=0)
+    logit_z_coef: float = Field(default=0.0, ge=0)  # z-loss on the LM head's logits
+    checkpoint_every: int = Field(default=100, gt=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    peak_tflops: float | None = Field(default=None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
     log_every: int = Field(default=10, gt=0)
+    alarms: AlarmConfig = AlarmConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.batch_size % self.grad_accum:
+            raise ValueError("batch_size must be divisible by grad_accum")
+        return self
 
 
 class EvalConfig(Frozen):

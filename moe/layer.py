@@ -1,10 +1,15 @@
-"""The dropless MoE layer: route, sort token-expert pairs by expert, run the experts, scatter back weighted.
+"""The MoE layer: route, sort token-expert assignments by expert, run the experts, scatter back weighted.
 
 Legend: T tokens, D model width, E experts, K experts per token, A = T*K assignments.
-No token is ever dropped: every (token, expert) assignment is computed.
+Dropless by default: every (token, expert) assignment is computed. With `capacity_factor` set, each
+expert keeps its first ceil(cf * A / E) assignments in token order and drops the rest (their
+contribution is zero); the drop rate is reported, for comparison with the dropless layer.
+`build_moe` picks the backend: this reference, or MegaBlocks' dMoE on CUDA.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -18,12 +23,9 @@ from moeflow.moe.router import TopKRouter
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.backend != "torch":
-            raise NotImplementedError(
-                f"model.backend={cfg.backend!r}: only the pure-PyTorch reference exists yet (issue #8 adds MegaBlocks)"
-            )
-        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-        self.router = TopKRouter(cfg.d_model, cfg.num_experts, cfg.top_k)
+        self.num_experts, self.top_k, self.capacity_factor = cfg.num_experts, cfg.top_k, cfg.capacity_factor
+        self.router = TopKRouter(cfg.d_model, cfg.num_experts, cfg.top_k, jitter=cfg.router_jitter,
+                                 normalize=cfg.normalize_expert_weights)
         self.experts = Experts(cfg.num_experts, cfg.d_model, cfg.expert_hidden, cfg.glu)
         self.shared_expert = SharedExpert(cfg.d_model, cfg.shared_expert_hidden, cfg.glu) if cfg.shared_expert_hidden else None
 
@@ -33,19 +35,33 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)
         experts_A = r.experts_TK.reshape(-1)
-        order_A = experts_A.argsort(stable=True)
+        order_A = experts_A.argsort(stable=True)  # stable: within an expert, assignments stay in token order
+        routed_E = torch.bincount(experts_A, minlength=self.num_experts)
+        tokens_per_expert_E = routed_E
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * experts_A.numel() / self.num_experts)
+            start_E = routed_E.cumsum(0) - routed_E
+            rank_A = torch.arange(order_A.numel(), device=x.device) - start_E[experts_A[order_A]]
+            order_A = order_A[rank_A < capacity]
+            tokens_per_expert_E = routed_E.clamp(max=capacity)
         token_A = order_A // self.top_k  # which token each sorted assignment belongs to
-        tokens_per_expert_E = torch.bincount(experts_A, minlength=self.num_experts)
         y_AD = self.experts(x_TD[token_A], tokens_per_expert_E)
         y_AD = y_AD * r.weights_TK.reshape(-1)[order_A].unsqueeze(-1)
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         aux = {
-            "load_balancing_loss": load_balancing_loss(
-                probs_TE=r.probs_TE, tokens_per_expert_E=tokens_per_expert_E, top_k=self.top_k
-            ),
+            "load_balancing_loss": load_balancing_loss(probs_TE=r.probs_TE, tokens_per_expert_E=routed_E, top_k=self.top_k),
             "router_z_loss": router_z_loss(logits_TE=r.logits_TE),
-            "tokens_per_expert": tokens_per_expert_E.detach(),
+            "tokens_per_expert": routed_E.detach(),
+            "dropped": (routed_E - tokens_per_expert_E).sum().detach(),
         }
         return out_TD.reshape(shape), aux
+
+
+def build_moe(cfg: ModelConfig) -> nn.Module:
+    if cfg.backend == "megablocks":
+        from moeflow.moe.megablocks_backend import MegaBlocksMoE
+
+        return MegaBlocksMoE(cfg)
+    return MoE(cfg)

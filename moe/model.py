@@ -1,4 +1,4 @@
-"""A decoder-only transformer with a dropless MoE feed-forward in every layer (RMSNorm, RoPE, SDPA).
+"""A decoder-only transformer with MoE feed-forwards (RMSNorm, RoPE, SDPA; optional dense first layers).
 
 Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary.
 """
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.configs import ModelConfig
-from moeflow.moe.layer import MoE
+from moeflow.moe.experts import SharedExpert
+from moeflow.moe.layer import build_moe
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,17 +42,22 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg.d_model, cfg.n_heads)
         self.ffn_norm = nn.RMSNorm(cfg.d_model)
-        self.moe = MoE(cfg)
+        if moe:
+            self.moe = build_moe(cfg)
+        else:  # a dense MLP as wide as the experts a token visits: equal active parameters
+            self.mlp = SharedExpert(cfg.d_model, cfg.dense_hidden or cfg.top_k * cfg.expert_hidden, cfg.glu)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin) -> tuple[torch.Tensor, dict | None]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        y, aux = self.moe(self.ffn_norm(x))
-        return x + y, aux
+        if hasattr(self, "moe"):
+            y, aux = self.moe(self.ffn_norm(x))
+            return x + y, aux
+        return x + self.mlp(self.ffn_norm(x)), None
 
 
 class Transformer(nn.Module):
@@ -60,20 +66,22 @@ class Transformer(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """Logits [B, S, V] and, for each MoE layer in order, its aux losses and metrics."""
         S = tokens_BS.shape[1]
         x = self.embed(tokens_BS)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         auxes = []
         for block in self.blocks:
             x, aux = block(x, cos, sin)
-            auxes.append(aux)
+            if aux is not None:
+                auxes.append(aux)
         logits_BSV = self.norm(x) @ self.embed.weight.T  # tied LM head
         return logits_BSV, auxes
 
@@ -82,4 +90,13 @@ class Transformer(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         expert = sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
         inactive = expert * (self.cfg.num_experts - self.cfg.top_k) // self.cfg.num_experts
-        return {"total": total, "active": total - inactive, "expert": expert}
+        embedding = self.embed.weight.numel()
+        return {"total": total, "active": total - inactive, "expert": expert, "embedding": embedding,
+                "active_non_embedding": total - inactive - embedding}
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x active non-embedding parameters + attention (PaLM appendix B),
+        plus the tied LM head's matmul (6 x embedding)."""
+        p = self.num_params()
+        attention = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
+        return 6 * (p["active_non_embedding"] + p["embedding"]) + attention

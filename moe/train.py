@@ -1,31 +1,51 @@
-"""The training loop: AdamW, warmup + cosine, gradient clipping, fixed seeds, per-step health metrics.
+"""The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume, health metrics.
 
-Reads packed sequences from a mix artifact in order (step i takes rows [i*B, (i+1)*B)) and writes
-`model.safetensors`, `model_config.json` and `metrics.jsonl` (one line per step: loss, cross-entropy,
-load-balancing and z-losses, grad norm, learning rate, tokens/s, tokens per expert per layer,
-load imbalance max/mean, token drop rate: 0, since the layer is dropless).
+Step i reads rows [i*B, (i+1)*B) of the mix's packed sequences, so the data position is the step.
+Checkpoints (every `checkpoint_every` steps, atomic) go to `work/checkpoints`; a run that finds one
+there resumes from it and reproduces the uninterrupted loss curve exactly on CPU. Per step,
+`metrics.jsonl` (and TensorBoard event files under `tensorboard/`) record: loss, cross-entropy,
+load-balancing, router z and logit z losses, grad norm (total and per parameter group), learning
+rate, tokens/s, achieved TFLOP/s and MFU (when the device's peak is configured), tokens per expert
+per MoE layer, load imbalance (max/mean) and token drop rate. Loss spikes and grad-norm jumps out of
+their recent band raise alarms (logged; optionally stopping the run).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
+import statistics
 import time
+from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
+from moeflow.moe import checkpoint
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 1
+VERSION = 2
+log = logging.getLogger(__name__)
+PARAM_GROUPS = (("router", ".router."), ("experts", ".experts."), ("shared_expert", ".shared_expert."),
+                ("dense_mlp", ".mlp."), ("attention", ".attn."), ("embedding", "embed."), ("norms", "norm"))
+
+
+class TrainingAlarm(RuntimeError):
+    """A health alarm fired and the config asks to stop on alarms."""
+
+
+class StopTraining(Exception):
+    """Raised by `stop_after` to end a run between steps, as a kill would (tests use it)."""
 
 
 def sequences(path: Path) -> np.ndarray:
@@ -37,14 +57,22 @@ def sequences(path: Path) -> np.ndarray:
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "wsd":
+        decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
+        if step < decay_start:
+            return cfg.lr
+        return cfg.lr - (cfg.lr - floor) * (step - decay_start + 1) / (cfg.steps - decay_start)
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def lm_loss(model: Transformer, batch_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+def lm_loss(model: Transformer, batch_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
+    """(cross-entropy, per-MoE-layer aux, logits z-loss) of next-token prediction on a batch."""
     logits_BSV, auxes = model(batch_BS[:, :-1])
-    ce = F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), batch_BS[:, 1:].reshape(-1))
-    return ce, auxes
+    logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
+    ce = F.cross_entropy(logits, batch_BS[:, 1:].reshape(-1))
+    return ce, auxes, torch.logsumexp(logits, dim=-1).square().mean()
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int) -> Transformer:
@@ -52,8 +80,58 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int
     return Transformer(model_cfg, vocab_size, seq_len)
 
 
-def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
+def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        group = next((g for g, key in PARAM_GROUPS if key in f".{name}"), "other")
+        sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
+    return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
+
+
+class Monitor:
+    """Alarms for loss spikes and grad-norm jumps against the band of the last `window` steps."""
+
+    def __init__(self, cfg: AlarmConfig):
+        self.cfg = cfg
+        self.losses: deque[float] = deque(maxlen=cfg.window)
+        self.norms: deque[float] = deque(maxlen=cfg.window)
+
+    def check(self, loss: float, grad_norm: float) -> list[str]:
+        alarms = []
+        if len(self.losses) == self.cfg.window:
+            median = statistics.median(self.losses)
+            if loss > (1 + self.cfg.loss_spike) * median:
+                alarms.append(f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}")
+            mean, std = statistics.fmean(self.norms), statistics.pstdev(self.norms)
+            if std > 0 and grad_norm > mean + self.cfg.grad_norm_sigma * std:
+                alarms.append(f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + {self.cfg.grad_norm_sigma} x std {std:.4f}")
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+        return alarms
+
+
+def _autocast(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _truncate_jsonl(path: Path, upto: int) -> list[dict]:
+    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them."""
+    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto] if path.exists() else []
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path,
+        work: Path | None = None, stop_after: int | None = None) -> dict:
+    from torch.utils.tensorboard import SummaryWriter
+
     torch.set_num_threads(os.cpu_count() or 1)
+    work = Path(work or out)
+    work.mkdir(parents=True, exist_ok=True)
     data = sequences(Path(mix_dir) / "train.arrow")
     needed = cfg.steps * cfg.batch_size
     if len(data) < needed:
@@ -65,46 +143,123 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     params = model.num_params()
+    flops_per_token = model.flops_per_token(cfg.seq_len)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    log_path = out / "metrics.jsonl"
-    losses: list[float] = []
-    start = time.perf_counter()
-    with open(log_path, "w") as log, tqdm(total=cfg.steps, desc="train", unit="step", mininterval=5) as bar:
-        for step in range(cfg.steps):
+    micro = cfg.batch_size // cfg.grad_accum
+    monitor = Monitor(cfg.alarms)
+    metrics_path = work / "metrics.jsonl"
+    ckpt_root = work / "checkpoints"
+    resumed_from = None
+    start = 0
+    latest = checkpoint.latest(ckpt_root)
+    if latest is not None:
+        state = checkpoint.load(latest, model, opt)
+        start = resumed_from = state["step"]
+        log.warning("train: resuming from %s (step %d of %d)", latest, start, cfg.steps)
+        for rec in _truncate_jsonl(metrics_path, start):
+            monitor.check(rec["ce"], rec["grad_norm"])
+        resumes = state.get("resumes", []) + [{"from_step": start}]
+    else:
+        metrics_path.write_text("")
+        resumes = []
+    alarms_path = work / "alarms.jsonl"
+    all_alarms = _truncate_jsonl(alarms_path, start)
+    tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None)
+    with open(metrics_path, "a") as log_f, tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+                                                 mininterval=5) as bar:
+        for step in range(start, cfg.steps):
+            if stop_after is not None and step >= stop_after:
+                raise StopTraining(f"stopped before step {step + 1}")
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = torch.from_numpy(data[step * cfg.batch_size : (step + 1) * cfg.batch_size])
-            ce, auxes = lm_loss(model, batch)
-            lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean()
-            z = torch.stack([a["router_z_loss"] for a in auxes]).mean()
-            loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            ce_sum = lb_sum = z_sum = lz_sum = 0.0
+            per_expert = None
+            dropped = 0
+            for m in range(cfg.grad_accum):
+                rows = data[step * cfg.batch_size + m * micro : step * cfg.batch_size + (m + 1) * micro]
+                with _autocast(cfg.precision):
+                    ce, auxes, logit_z = lm_loss(model, torch.from_numpy(rows))
+                lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
+                z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
+                loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
+                (loss / cfg.grad_accum).backward()
+                ce_sum, lb_sum, z_sum, lz_sum = ce_sum + ce.item(), lb_sum + lb.item(), z_sum + z.item(), lz_sum + logit_z.item()
+                counts = [a["tokens_per_expert"] for a in auxes]
+                per_expert = counts if per_expert is None else [a + b for a, b in zip(per_expert, counts)]
+                dropped += sum(int(a["dropped"]) for a in auxes)
+            groups = group_grad_norms(model)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             opt.step()
             dt = time.perf_counter() - t0
-            per_expert = [a["tokens_per_expert"].tolist() for a in auxes]
-            imbalance = [max(c) / (sum(c) / len(c)) for c in per_expert]
-            losses.append(ce.item())
-            record = {"step": step + 1, "loss": round(loss.item(), 5), "ce": round(ce.item(), 5),
-                      "load_balancing_loss": round(lb.item(), 5), "router_z_loss": round(z.item(), 5),
-                      "grad_norm": round(grad_norm.item(), 5), "lr": lr, "tokens_per_s": round(tokens_per_step / dt, 1),
-                      "tokens_per_expert": per_expert, "load_imbalance": [round(x, 4) for x in imbalance],
-                      "token_drop_rate": 0.0}
-            log.write(json.dumps(record) + "\n")
+            n = cfg.grad_accum
+            ce_v = ce_sum / n
+            per_expert_l = [c.tolist() for c in per_expert]
+            imbalance = [max(c) / (sum(c) / len(c)) for c in per_expert_l]
+            assignments = sum(sum(c) for c in per_expert_l)
+            tflops = flops_per_token * tokens_per_step / dt / 1e12
+            record = {"step": step + 1, "loss": round(ce_v + cfg.load_balance_coef * lb_sum / n
+                                                      + cfg.router_z_coef * z_sum / n + cfg.logit_z_coef * lz_sum / n, 5),
+                      "ce": round(ce_v, 5), "load_balancing_loss": round(lb_sum / n, 5),
+                      "router_z_loss": round(z_sum / n, 5), "logit_z_loss": round(lz_sum / n, 5),
+                      "grad_norm": round(grad_norm, 5), "grad_norm_groups": groups, "lr": lr,
+                      "tokens_per_s": round(tokens_per_step / dt, 1), "tflops": round(tflops, 5),
+                      "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
+                      "tokens_per_expert": per_expert_l, "load_imbalance": [round(x, 4) for x in imbalance],
+                      "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0}
+            for alarm in monitor.check(ce_v, grad_norm):
+                log.warning("train: step %d alarm %s", step + 1, alarm)
+                all_alarms.append({"step": step + 1, "alarm": alarm})
+                with open(alarms_path, "a") as f:
+                    f.write(json.dumps(all_alarms[-1]) + "\n")
+                if cfg.alarms.stop:
+                    raise TrainingAlarm(f"step {step + 1}: {alarm}")
+            log_f.write(json.dumps(record) + "\n")
+            log_f.flush()
+            for key in ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "lr", "tokens_per_s",
+                        "token_drop_rate"):
+                tb.add_scalar(f"train/{key}", record[key], step + 1)
+            for i, x in enumerate(imbalance):
+                tb.add_scalar(f"moe/load_imbalance_layer{i}", x, step + 1)
             bar.update(1)
             if (step + 1) % cfg.log_every == 0:
-                bar.set_postfix(loss=f"{ce.item():.3f}", gnorm=f"{grad_norm.item():.2f}")
-    elapsed = time.perf_counter() - start
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+                bar.set_postfix(loss=f"{ce_v:.3f}", gnorm=f"{grad_norm:.2f}")
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                checkpoint.save(ckpt_root, step + 1, model, opt, {"data_position": (step + 1) * cfg.batch_size,
+                                                                  "resumes": resumes}, cfg.keep_checkpoints)
+    tb.close()
+    return _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from)
+
+
+def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: dict, resumes: list, alarms: list,
+            resumed_from) -> dict:
+    """Copy the final checkpoint, metrics and event files into the artifact; summarise the run."""
+    final = checkpoint.latest(work / "checkpoints")
+    if work != out:
+        shutil.copytree(final, out / "checkpoint")
+        shutil.copy(work / "metrics.jsonl", out / "metrics.jsonl")
+        shutil.copytree(work / "tensorboard", out / "tensorboard")
+        shutil.copy(work / "alarms.jsonl", out / "alarms.jsonl")
+    shutil.copy(final / "model.safetensors", out / "model.safetensors")
     (out / "model_config.json").write_text(json.dumps({**model_cfg.model_dump(mode="json"), "vocab_size": vocab,
                                                        "max_seq_len": cfg.seq_len}, indent=2, sort_keys=True))
-    head = float(np.mean(losses[: min(10, len(losses))]))
-    tail = float(np.mean(losses[-min(10, len(losses)) :]))
-    return {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "batch_size": cfg.batch_size,
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["ce"] for r in records]
+    k = min(10, len(losses))
+    head, tail = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    last = records[-1]
+    tps = [r["tokens_per_s"] for r in records]
+    return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "params_total": params["total"], "params_active": params["active"],
+            "flops_per_token": model.flops_per_token(cfg.seq_len),
             "initial_loss": round(head, 4), "final_loss": round(tail, 4), "loss_fell": tail < head,
-            "tokens_per_s": round(cfg.steps * tokens_per_step / elapsed, 1), "train_seconds": round(elapsed, 1),
-            "vocab_size": vocab, "token_drop_rate": 0.0}
+            "tokens_per_s": round(float(np.median(tps)), 1), "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
+            "mfu": last["mfu"], "peak_grad_norm": max(r["grad_norm"] for r in records),
+            "final_load_imbalance": last["load_imbalance"], "final_tokens_per_expert": last["tokens_per_expert"],
+            "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
+            "train_seconds": round(sum(cfg.batch_size * cfg.seq_len / r["tokens_per_s"] for r in records), 1),
+            "vocab_size": vocab, "resumes": resumes, "resumed_from_step": resumed_from, "alarms": alarms,
+            "schedule": cfg.schedule, "precision": cfg.precision}
+

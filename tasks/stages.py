@@ -40,7 +40,8 @@ class Stage:
     name: str
     version: int
     config: Callable[[RunConfig], Any]  # the config fields that change this stage's output
-    body: Callable[[RunConfig, Inputs, Path], dict]  # writes the artifact's files into the folder, returns stats
+    body: Callable[..., dict]  # (cfg, inputs, out[, work]): writes the artifact's files into `out`, returns stats
+    resumable: bool = False  # gets a `work` folder that outlives a failed attempt (checkpoints), removed on success
 
 
 def _packages(cfg: RunConfig) -> list[str]:
@@ -101,8 +102,8 @@ STAGES: dict[str, Stage] = {
               lambda c: {"mix": c.mix, "seed": c.seed, "seq_len": c.train.seq_len,
                          "sequences": c.train.steps * c.train.batch_size}, _mix),
         Stage("train", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed},
-              lambda c, i, o: train.run(c.model, c.train, seed=c.seed, mix_dir=i["mix"].dir,
-                                        tokenizer_dir=i["tokenizer"].dir, out=o)),
+              lambda c, i, o, w: train.run(c.model, c.train, seed=c.seed, mix_dir=i["mix"].dir,
+                                           tokenizer_dir=i["tokenizer"].dir, out=o, work=w), resumable=True),
         Stage("evaluate", evaluate.VERSION, lambda c: c.evaluate,
               lambda c, i, o: evaluate.run(c.evaluate, train_dir=i["model"].dir, mix_dir=i["mix"].dir, out=o)),
         Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate(i["evaluate"].dir, o)),
@@ -139,10 +140,11 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
         log.info("%s: reusing %s", stage.name, existing.path)
         return existing
     tmp = store.staging(stage.name)
+    work = store.folder(stage.name, key).with_name(f".{stage.name}-{key}.work") if stage.resumable else None
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     try:
-        stats = stage.body(cfg, inputs, tmp)
+        stats = stage.body(cfg, inputs, tmp, work) if stage.resumable else stage.body(cfg, inputs, tmp)
         lineage = {
             "stage": stage.name,
             "version": stage.version,
@@ -162,6 +164,8 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
     log.info("%s: wrote %s", stage.name, manifest.path)
     return manifest
 

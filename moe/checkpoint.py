@@ -1,0 +1,70 @@
+"""Training checkpoints: model and optimizer tensors in safetensors, the rest (step, schedule, RNG, data position) in JSON.
+
+A checkpoint is a folder `step-NNNNNNN/` written under a temporary name, fsynced and renamed, so a
+kill during a write leaves the previous checkpoint intact and the half-written one is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE = "trainer_state.json"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, keep: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step-{step:07d}", root / f".step-{step:07d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    opt_state = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, per_param in opt_state["state"].items():
+        for name, value in per_param.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value.detach().reshape(value.shape or (1,)).contiguous()
+                scalars[f"{idx}.{name}"] = list(value.shape)
+            else:
+                scalars[f"{idx}.{name}"] = value
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    meta = {"step": step, "param_groups": opt_state["param_groups"], "optimizer_entries": scalars, **state}
+    (tmp / STATE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    done = sorted(p for p in Path(root).glob("step-*") if (p / STATE).exists())
+    return done[-1] if done else None
+
+
+def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Restore model, optimizer and the torch RNG; return the trainer state (step, data position, ...)."""
+    meta = json.loads((folder / STATE).read_text())
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    state: dict = {}
+    for key, entry in meta["optimizer_entries"].items():
+        idx, name = key.split(".", 1)
+        value = tensors[key].reshape(entry) if isinstance(entry, list) else entry
+        state.setdefault(int(idx), {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    return meta
