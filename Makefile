@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test
+.PHONY: setup run test bench
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,6 @@ test: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest
 
+
+bench: setup
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -1,0 +1,101 @@
+"""MoE layer throughput: expert-count scaling at fixed active parameters, against a dense MLP, against a per-token loop.
+
+Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R]` (default 4096 and 16384 tokens). Forward + backward tokens/s of the
+reference dropless layer (H=256, F=512, top-2, SwiGLU, fp32, all cores) for 8, 16, 32 and 64
+experts; the same layer against a dense SwiGLU MLP of equal active width (2 x 512) done in bare
+PyTorch; and against a per-token Python loop over the same weights (a sanity floor). Each figure
+is the fastest of `repeats` timed passes after two warm-up passes (the least disturbed one). The last
+line printed is one JSON object; `*_ratio` figures compare with the bare-PyTorch dense MLP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from moeflow.configs import ModelConfig
+from moeflow.moe.experts import SharedExpert
+from moeflow.moe.layer import MoE
+
+H, F, K = 256, 512, 2
+
+
+def tokens_per_s(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
+    def step():
+        out = module(x)
+        y = out[0] if isinstance(out, tuple) else out
+        y.float().square().mean().backward()
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return x.shape[0] / min(times)  # the least disturbed repeat, as timeit does
+
+
+def per_token_loop(layer: MoE, x: torch.Tensor) -> float:
+    """Tokens/s of a forward pass that visits each token's experts one token at a time."""
+    mlp = layer.experts.mlp
+    w1, v1, w2 = (w.view(mlp.num_experts, F, H) for w in (mlp.w1, mlp.v1, mlp.w2))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        r = layer.router(x)
+        for t in range(x.shape[0]):
+            for k in range(K):
+                e = int(r.experts_TK[t, k])
+                h = torch.nn.functional.silu(x[t] @ w1[e].T) * (x[t] @ v1[e].T)
+                _ = r.weights_TK[t, k] * (h @ w2[e])
+    return x.shape[0] / (time.perf_counter() - t0)
+
+
+def scaling(tokens: int, repeats: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    x = torch.randn(tokens, H)
+    out: dict[str, float] = {}
+    dense = SharedExpert(H, K * F, glu=True)
+    out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats), 1)
+    for e in (8, 16, 32, 64):
+        layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=e, top_k=K, expert_hidden=F))
+        out[f"e{e}_tokens_per_s"] = round(tokens_per_s(layer, x.clone().requires_grad_(), repeats), 1)
+    for e in (16, 32, 64):
+        out[f"e{e}_vs_e8"] = round(out[f"e{e}_tokens_per_s"] / out["e8_tokens_per_s"], 3)
+    out["moe_e8_vs_dense_ratio"] = round(out["e8_tokens_per_s"] / out["dense_tokens_per_s"], 3)
+    print(f"{tokens:6d} tokens: dense {out['dense_tokens_per_s']:.0f} tokens/s; " + "; ".join(
+        f"{e} experts {out[f'e{e}_tokens_per_s']:.0f}" for e in (8, 16, 32, 64))
+          + f"; 64 vs 8 experts {out['e64_vs_e8']}; MoE(8) / dense {out['moe_e8_vs_dense_ratio']}", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    figures: dict[str, float] = {"threads": torch.get_num_threads(), "hidden": H, "expert_hidden": F, "top_k": K}
+    for tokens in args.tokens:
+        figures.update({f"t{tokens}_{k}": v for k, v in scaling(tokens, args.repeats).items()})
+    layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=8, top_k=K, expert_hidden=F))
+    small = torch.randn(256, H)
+    with torch.no_grad():
+        times = []
+        for _ in range(args.repeats + 2):
+            t0 = time.perf_counter()
+            layer(small)
+            times.append(time.perf_counter() - t0)
+        fwd = small.shape[0] / min(times[2:])
+    figures["per_token_loop_forward_tokens_per_s"] = round(per_token_loop(layer, small), 1)
+    figures["reference_vs_per_token_loop"] = round(fwd / figures["per_token_loop_forward_tokens_per_s"], 1)
+    print(f"reference forward vs a per-token loop: {figures['reference_vs_per_token_loop']}x")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
