@@ -142,6 +142,8 @@ class AlarmConfig(Frozen):
     window: int = Field(default=20, ge=2)  # steps of history the bands are computed from
     loss_spike: float = Field(default=0.5, gt=0)  # alarm when loss > (1 + this) x the window's median
     grad_norm_sigma: float = Field(default=6.0, gt=0)  # alarm when grad norm > mean + sigma x std of the window
+    grad_norm_ratio: float = Field(default=1.5, ge=1)  # ... and > this x the window's mean (a quiet window's
+    # std is tiny, and small wobbles would otherwise alarm)
     stop: bool = False  # stop the run (failing the stage) on the first alarm
 
 

@@ -105,7 +105,7 @@ class Monitor:
             if loss > (1 + self.cfg.loss_spike) * median:
                 alarms.append(f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}")
             mean, std = statistics.fmean(self.norms), statistics.pstdev(self.norms)
-            if std > 0 and grad_norm > mean + self.cfg.grad_norm_sigma * std:
+            if grad_norm > max(mean + self.cfg.grad_norm_sigma * std, self.cfg.grad_norm_ratio * mean):
                 alarms.append(f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + {self.cfg.grad_norm_sigma} x std {std:.4f}")
         self.losses.append(loss)
         self.norms.append(grad_norm)

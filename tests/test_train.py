@@ -120,6 +120,10 @@ def test_alarms_fire_on_a_loss_spike_and_a_grad_norm_jump():
         assert mon.check(2.0 + 0.01 * i, 1.0 + 0.01 * i) == []
     alarms = mon.check(4.0, 9.0)
     assert [a.split(":")[0] for a in alarms] == ["loss_spike", "grad_norm"]
+    quiet = train.Monitor(AlarmConfig(window=5, grad_norm_sigma=3.0, grad_norm_ratio=1.5))
+    for _ in range(5):
+        quiet.check(2.0, 1.0)
+    assert quiet.check(2.0, 1.2) == []  # above mean + 3 std (std is 0) but within 1.5 x the mean
 
 
 @pytest.mark.gpu
@@ -134,3 +138,8 @@ def test_megablocks_matches_the_reference_with_the_same_weights():
     mb.load_state_dict(ref.state_dict(), strict=True)
     x = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(mb(x)[0], ref(x)[0], rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_autocast_trains_on_cpu(data, tmp_path):
+    stats = _train(data, tmp_path, cfg={"steps": 4, "precision": "bf16"})
+    assert stats["precision"] == "bf16" and np.isfinite(stats["final_loss"])

@@ -4,7 +4,8 @@ Held-out documents are chosen by a hash of their id (stable whatever else change
 per domain that has two or more documents. Training documents are drawn per domain in a seeded
 order until the domain has its share of the token budget, repeating a domain's documents (epochs)
 when it is too small; repetitions are recorded. The drawn documents are shuffled together and
-packed, separated by the end-of-text token, into sequences of `seq_len + 1` tokens.
+packed, separated by the end-of-text token, into sequences of `seq_len + 1` tokens, which are shuffled
+again so that no long document fills consecutive batches.
 Outputs: `train.arrow` and `heldout.arrow` (uncompressed Arrow IPC, memory-mappable), each row one
 sequence with the segments it holds: (doc_id, position in the sequence, offset in the document, length).
 """
@@ -22,7 +23,7 @@ from moeflow.tokenize.store import read_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 1
+VERSION = 3
 SEGMENT = pa.struct([("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())])
 
 
@@ -123,6 +124,10 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
     rows, segments = pack([drawn[i] for i in order], seq_len, eos, max_sequences=num_sequences)
     if len(rows) < num_sequences:
         raise ValueError(f"mix: packed only {len(rows)} of {num_sequences} sequences; the budget is too large")
+    # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
+    # fill many consecutive batches, and the loss would swing with whatever document is current.
+    perm = rng.permutation(len(rows))
+    rows, segments = [rows[i] for i in perm], [segments[i] for i in perm]
     _write(out / "train.arrow", rows, segments, None, vocab)
 
     ho_rows, ho_segs, ho_domains = [], [], []
