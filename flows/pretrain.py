@@ -29,10 +29,11 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     docs = run("decontaminate", docs=docs, index=index)
     tok = run("tokenizer", docs=docs, sources=src)
     shards = run("tokenize", docs=docs, tokenizer=tok)
+    leftover = run("overlap", shards=shards, tokenizer=tok, index=index)
     mixed = run("mix", shards=shards, tokenizer=tok)
     model = run("train", mix=mixed, tokenizer=tok)
     evals = run("evaluate", model=model, mix=mixed)
-    card = run("card", evaluate=evals)
+    card = run("card", evaluate=evals, overlap=leftover)
 
     summary = {"config": cfg.name, "store": str(cfg.store_path()), "stages": run.stages,
                "card": str(card.dir / "README.md") if card else None}

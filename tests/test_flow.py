@@ -12,7 +12,7 @@ from moeflow.flows.pretrain import pretrain
 from moeflow.ingest import SourceError
 from helpers import write_config
 
-UPSTREAM = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize")
+UPSTREAM = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize", "overlap")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,10 @@ def test_card_reports_what_the_lineage_holds(cold):
     for stage in ("ingest", "filter", "dedup", "decontaminate"):
         st = lineage[stage]["stats"]
         assert f"| {stage} | {st['documents_in']} | {st['documents_out']} |" in text
-    for bench in lineage["benchmarks"]["stats"]["benchmarks"]:
-        assert f"| {bench} |" in text
+    for bench, b in lineage["benchmarks"]["stats"]["benchmarks"].items():
+        left = lineage["overlap"]["stats"]["remaining"].get(bench, {}).get("documents", 0)
+        assert f"| {bench} | {b['split']} | {b['items']} | {b['items_too_short']} | {b['ngrams']} |" in text
+        assert text.split(f"| {bench} |")[1].split("\n")[0].endswith(f"| {left} |")
     ts = lineage["train"]["stats"]
     for fact in (f"{ts['params_total']:,}", f"{ts['params_active']:,}", f"| steps | {ts['steps']} |",
                  f"| tokens | {ts['tokens']:,} |", f"| {ts['final_loss']} |", lineage["train"]["code"]["commit"]):
