@@ -12,7 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-VERSION = 4
+VERSION = 5
 CARD, REPORT = "README.md", "lineage_report.md"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
@@ -28,9 +28,13 @@ def collect(roots: list[Path]) -> dict[str, dict]:
         if not path.exists():
             raise FileNotFoundError(f"{folder} has no lineage.json: not a moeflow artifact")
         rec = json.loads(path.read_text())
-        if rec["stage"] in graph:
+        seen = graph.get(rec["stage"])
+        if seen is not None and seen["artifact"] == rec["artifact"]:
             continue
-        graph[rec["stage"]] = rec
+        # A stage reached twice through different artifacts: a reused downstream artifact records the
+        # upstream one that built it, which may since have been rebuilt with equal content. Keep the newest.
+        if seen is None or (rec["finished_at"], rec["artifact"]["hash"]) > (seen["finished_at"], seen["artifact"]["hash"]):
+            graph[rec["stage"]] = rec
         todo += [store / inp["path"] for inp in rec["inputs"].values()]
     return _topological(graph)
 
@@ -114,8 +118,8 @@ def render_card(graph: dict[str, dict]) -> str:
                    for st in DATA_STAGES]),
            "", f"### Benchmark contamination ({bench['ngram']}-gram overlap)", "",
            f"N-grams are {bench['ngram']} consecutive lower-cased `\\w+` words (punctuation and spacing "
-           f"ignored); n-grams found in more than {bench['max_items_per_ngram']} items, or with fewer than "
-           f"{bench['min_alpha_words']} non-numeric words, are not indexed; items shorter than "
+           f"ignored); n-grams found in more than {graph['benchmarks']['config']['max_items_per_ngram']} items, or with fewer than "
+           f"{graph['benchmarks']['config']['min_alpha_words']} non-numeric words, are not indexed; items shorter than "
            f"{bench['ngram']} words cannot be indexed. A document sharing an indexed n-gram is "
            + ("dropped." if decon.get("action", "drop") == "drop" else "cut around each match (or dropped).")
            + (" Remaining overlap is measured by decoding the final token store and checking it again."
@@ -150,7 +154,8 @@ def render_card(graph: dict[str, dict]) -> str:
                ["token drop rate (mean over steps)", ts["token_drop_rate"]],
                ["peak grad norm", ts.get("peak_grad_norm", "-")],
                ["final load imbalance per MoE layer (max/mean)", ", ".join(map(str, ts.get("final_load_imbalance", [])))],
-               ["alarms", "; ".join(f"step {a['step']}: {a['alarm']}" for a in ts.get("alarms", [])) or "none"]]),
+               ["alarms", _alarms(ts.get("alarms", []))]]),
+           *(_ladder_section(graph["ladder"], ts) if "ladder" in graph else []),
            "", "## Evaluation", "",
            _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
                   [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),
@@ -164,6 +169,37 @@ def render_card(graph: dict[str, dict]) -> str:
                     r["prefect"].get("task_run_id", "-"), r["seconds"]] for st, r in graph.items()]),
            "", "See `lineage_report.md` for every stage's config, inputs and statistics.", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def _alarms(alarms: list[dict], show: int = 5) -> str:
+    if not alarms:
+        return "none"
+    kinds: dict[str, int] = {}
+    for a in alarms:
+        kinds[a["alarm"].split(":")[0]] = kinds.get(a["alarm"].split(":")[0], 0) + 1
+    first = "; ".join(f"step {a['step']}: {a['alarm']}" for a in alarms[:show])
+    return ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) + f". First: {first}" + ("; ..." if len(alarms) > show else "")
+
+
+def _ladder_section(lad: dict, ts: dict) -> list[str]:
+    p = lad["stats"]
+    actual = ts["tail_loss"]
+    err = (actual - p["predicted_final_loss"]) / actual
+    inside = p["band"][0] <= actual <= p["band"][1]
+    fit = p["fit"]
+    return ["", "## Scaling ladder (pre-registered prediction)", "",
+            f"{len(p['rungs'])} rungs of the same recipe used {p['ladder_fraction']:.1%} of the target run's training FLOPs. "
+            f"Fit L(C) = E + A (C / C_target)^-alpha: E = {fit['E']:.4g}, A = {fit['A']:.4g}, alpha = {fit['alpha']:.4g} "
+            f"(residual RMS {fit['residual_rms']:.4g}; band from {fit['bootstrap_fits']} bootstrap refits). "
+            f"Registered at {p['registered_at']} in `ladder-{lad['artifact']['hash']}`, before the target run started.", "",
+            _table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss"],
+                   [[i, r["d_model"], r["n_layers"], f"{r['params_active']:,}", r["steps"], f"{r['flops']:.3g}",
+                     r["final_loss"]] for i, r in enumerate(p["rungs"])]),
+            "", _table(["", "final loss (mean of the last tenth of steps)"], [
+                ["predicted", f"{p['predicted_final_loss']} (band {p['band'][0]} to {p['band'][1]})"],
+                ["actual", f"{actual} ({'inside' if inside else 'outside'} the band)"],
+                ["training steps whose smoothed loss left the ladder's band", ts.get("steps_outside_ladder_band", "-")],
+                ["relative error (actual - predicted) / actual", f"{err:+.2%}"]])]
 
 
 def render_report(graph: dict[str, dict]) -> str:

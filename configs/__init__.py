@@ -181,6 +181,24 @@ class TrainConfig(Frozen):
         return self
 
 
+class LadderConfig(Frozen):
+    """Small runs of the target's recipe (same data, tokenizer, schedule shape, MoE ratios) whose final
+    losses are fitted against compute to predict the target run before it starts."""
+
+    widths: tuple[int, ...] = Field(default=(32, 64, 96), min_length=3)  # d_model of each rung (x head width)
+    layers: tuple[int, ...] | None = None  # n_layers of each rung; default: the target's
+    budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
+    min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
+    bootstrap: int = Field(default=200, ge=10)  # resamples of the rungs for the prediction's band
+    band_tolerance: float = Field(default=0.05, ge=0)  # extra relative width of the monitor's band
+
+    @model_validator(mode="after")
+    def _check(self) -> LadderConfig:
+        if self.layers is not None and len(self.layers) != len(self.widths):
+            raise ValueError("ladder.layers must give one layer count per width")
+        return self
+
+
 class EvalConfig(Frozen):
     max_sequences_per_domain: int = Field(default=64, gt=0)
 
@@ -199,6 +217,7 @@ class RunConfig(Frozen):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+    ladder: LadderConfig | None = None  # set: a scaling ladder predicts the target run before it starts
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

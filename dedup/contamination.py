@@ -30,7 +30,7 @@ from moeflow.lineage.ledger import Ledger
 from moeflow.sources import fetch
 
 VERSION = 2
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 _WORD = re.compile(r"\w+")
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: the polynomial base of the rolling hash
 

@@ -9,6 +9,8 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
+from moeflow.moe import ladder as moe_ladder
+from moeflow.tokenize import tokenizer
 from moeflow.tasks.stages import Pipeline
 
 
@@ -31,7 +33,8 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     shards = run("tokenize", docs=docs, tokenizer=tok)
     leftover = run("overlap", shards=shards, tokenizer=tok, index=index)
     mixed = run("mix", shards=shards, tokenizer=tok)
-    model = run("train", mix=mixed, tokenizer=tok)
+    prediction = ladder(run, cfg, mixed, tok) if cfg.ladder and mixed else None  # registered before train starts
+    model = run("train", mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
     evals = run("evaluate", model=model, mix=mixed)
     card = run("card", evaluate=evals, overlap=leftover)
 
@@ -40,6 +43,17 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     _record_run(cfg.store_path(), summary)
     get_run_logger().info("moeflow %s: %s", cfg.name, summary["card"] or f"stopped after {until}")
     return summary
+
+
+@flow(name="ladder", validate_parameters=False)
+def ladder(run: Pipeline, cfg, mixed, tok):
+    """The scaling ladder (a subflow): each rung a cached training task on a prefix of the mix, then the fit."""
+    vocab = tokenizer.load(tok.dir).get_vocab_size()
+    rungs = {}
+    for i, rung in enumerate(moe_ladder.plan(cfg, vocab)):
+        rung_cfg = cfg.model_copy(update={"model": rung["model"], "train": rung["train"]})
+        rungs[f"rung{i}"] = run("rung", cfg=rung_cfg, label=f"rung{i}", mix=mixed, tokenizer=tok)
+    return run("ladder", tokenizer=tok, **rungs)
 
 
 def _record_run(store: Path, summary: dict) -> None:

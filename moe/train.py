@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
-from moeflow.moe import checkpoint
+from moeflow.moe import checkpoint, ladder
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 2
+VERSION = 3
 log = logging.getLogger(__name__)
 PARAM_GROUPS = (("router", ".router."), ("experts", ".experts."), ("shared_expert", ".shared_expert."),
                 ("dense_mlp", ".mlp."), ("attention", ".attn."), ("embedding", "embed."), ("norms", "norm"))
@@ -128,7 +128,8 @@ def _truncate_jsonl(path: Path, upto: int) -> list[dict]:
 
 
 def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path,
-        work: Path | None = None, stop_after: int | None = None) -> dict:
+        work: Path | None = None, stop_after: int | None = None, ladder_dir: Path | None = None,
+        band_tolerance: float = 0.05) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -149,6 +150,9 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     tokens_per_step = cfg.batch_size * cfg.seq_len
     micro = cfg.batch_size // cfg.grad_accum
     monitor = Monitor(cfg.alarms)
+    band = ladder.Band(ladder_dir, cfg.steps, band_tolerance) if ladder_dir else None
+    recent: deque[float] = deque(maxlen=ladder.SMOOTH)
+    was_outside = False
     metrics_path = work / "metrics.jsonl"
     ckpt_root = work / "checkpoints"
     resumed_from = None
@@ -160,6 +164,7 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
         log.warning("train: resuming from %s (step %d of %d)", latest, start, cfg.steps)
         for rec in _truncate_jsonl(metrics_path, start):
             monitor.check(rec["ce"], rec["grad_norm"])
+            recent.append(rec["ce"])
         resumes = state.get("resumes", []) + [{"from_step": start}]
     else:
         metrics_path.write_text("")
@@ -211,7 +216,16 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                       "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
                       "tokens_per_expert": per_expert_l, "load_imbalance": [round(x, 4) for x in imbalance],
                       "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0}
-            for alarm in monitor.check(ce_v, grad_norm):
+            alarms = monitor.check(ce_v, grad_norm)
+            recent.append(ce_v)
+            if band is not None:
+                record["ladder_band"] = band.at(step + 1)
+                outside = band.check(step + 1, sum(recent) / len(recent)) if step >= cfg.warmup_steps else None
+                record["outside_ladder_band"] = outside is not None
+                if outside and not was_outside:  # alarm when the run leaves the band, not at every step outside
+                    alarms.append(outside)
+                was_outside = outside is not None
+            for alarm in alarms:
                 log.warning("train: step %d alarm %s", step + 1, alarm)
                 all_alarms.append({"step": step + 1, "alarm": alarm})
                 with open(alarms_path, "a") as f:
@@ -253,15 +267,19 @@ def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: di
     head, tail = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     last = records[-1]
     tps = [r["tokens_per_s"] for r in records]
-    return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "batch_size": cfg.batch_size,
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len
+    return {"steps": cfg.steps, "tokens": tokens, "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len, "params_total": params["total"], "params_active": params["active"],
-            "flops_per_token": model.flops_per_token(cfg.seq_len),
+            "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
+            "flops_per_token": model.flops_per_token(cfg.seq_len), "flops": model.flops_per_token(cfg.seq_len) * tokens,
+            "tail_loss": round(ladder.tail_loss(losses), 4),
             "initial_loss": round(head, 4), "final_loss": round(tail, 4), "loss_fell": tail < head,
             "tokens_per_s": round(float(np.median(tps)), 1), "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
             "mfu": last["mfu"], "peak_grad_norm": max(r["grad_norm"] for r in records),
             "final_load_imbalance": last["load_imbalance"], "final_tokens_per_expert": last["tokens_per_expert"],
             "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
             "train_seconds": round(sum(cfg.batch_size * cfg.seq_len / r["tokens_per_s"] for r in records), 1),
+            "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
             "vocab_size": vocab, "resumes": resumes, "resumed_from_step": resumed_from, "alarms": alarms,
             "schedule": cfg.schedule, "precision": cfg.precision}
 

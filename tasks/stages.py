@@ -27,7 +27,7 @@ from moeflow.configs import RunConfig
 from moeflow.dedup import contamination, exact
 from moeflow.lineage import record
 from moeflow.lineage.artifacts import Manifest, Store, canonical_json, stage_hash
-from moeflow.moe import evaluate, train
+from moeflow.moe import evaluate, ladder, train
 from moeflow.sources import fetch
 from moeflow.tokenize import mix, store as token_store, tokenizer
 
@@ -81,6 +81,12 @@ def _mix(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
                    store_dir=inputs["shards"].dir, tokenizer_dir=inputs["tokenizer"].dir, out=out)
 
 
+def _train(cfg: RunConfig, inputs: Inputs, out: Path, work: Path) -> dict:
+    return train.run(cfg.model, cfg.train, seed=cfg.seed, mix_dir=inputs["mix"].dir, tokenizer_dir=inputs["tokenizer"].dir,
+                     out=out, work=work, ladder_dir=inputs["prediction"].dir if "prediction" in inputs else None,
+                     band_tolerance=cfg.ladder.band_tolerance if cfg.ladder else 0.0)
+
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
@@ -104,9 +110,14 @@ STAGES: dict[str, Stage] = {
         Stage("mix", mix.VERSION,
               lambda c: {"mix": c.mix, "seed": c.seed, "seq_len": c.train.seq_len,
                          "sequences": c.train.steps * c.train.batch_size}, _mix),
-        Stage("train", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed},
-              lambda c, i, o, w: train.run(c.model, c.train, seed=c.seed, mix_dir=i["mix"].dir,
-                                           tokenizer_dir=i["tokenizer"].dir, out=o, work=w), resumable=True),
+        Stage("rung", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed}, _train,
+              resumable=True),
+        Stage("ladder", ladder.VERSION, lambda c: {"ladder": c.ladder, "model": c.model, "train": c.train},
+              lambda c, i, o: ladder.predict(c, [m.dir for k, m in sorted(i.items()) if k.startswith("rung")],
+                                             tokenizer.load(i["tokenizer"].dir).get_vocab_size(), o)),
+        Stage("train", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed,
+                                                 "band_tolerance": c.ladder.band_tolerance if c.ladder else None},
+              _train, resumable=True),
         Stage("evaluate", evaluate.VERSION, lambda c: c.evaluate,
               lambda c, i, o: evaluate.run(c.evaluate, train_dir=i["model"].dir, mix_dir=i["mix"].dir, out=o)),
         Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate([m.dir for _, m in sorted(i.items())], o)),
@@ -199,19 +210,23 @@ class Pipeline:
         self.done = False
         self.stages: dict[str, dict] = {}
 
-    def __call__(self, stage: str, **inputs: Manifest) -> Manifest | None:
+    def __call__(self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None,
+                 **inputs: Manifest) -> Manifest | None:
+        """Run `stage` (with `cfg` instead of the run's config, e.g. a ladder rung's; recorded as `label`)."""
         if self.done:
             return None
+        cfg = cfg or self.cfg
         force = stage in self.rerun
-        task_ = TASKS[stage].with_options(refresh_cache=force, result_storage=self.cfg.store_path() / ".prefect-results")
-        state = task_(stage, self.cfg, inputs, force=force, return_state=True)
+        task_ = TASKS[stage].with_options(refresh_cache=force, result_storage=self.cfg.store_path() / ".prefect-results",
+                                          task_run_name=label or stage)
+        state = task_(stage, cfg, inputs, force=force, return_state=True)
         manifest: Manifest = state.result()
         if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
             log.warning("%s: cached result points at missing %s; rebuilding", stage, manifest.path)
-            state = task_.with_options(refresh_cache=True)(stage, self.cfg, inputs, return_state=True)
+            state = task_.with_options(refresh_cache=True)(stage, cfg, inputs, return_state=True)
             manifest = state.result()
         made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
-        self.stages[stage] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,
+        self.stages[label or stage] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,
                               "reused": made_by != str(state.state_details.task_run_id)}
         self.done = stage == self.until
         return manifest

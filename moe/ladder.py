@@ -1,0 +1,174 @@
+"""Scaling ladder: small runs of the target's recipe, a fit of final loss against compute, a pre-registered prediction.
+
+Rungs keep the target's recipe: the same mix (a prefix of its sequences), tokenizer, batch, sequence
+length and schedule shape, and the same MoE shape ratios (expert width / d_model, head width, experts,
+top-k). Each rung's token budget is proportional to its active parameters, scaled so the ladder
+costs `budget_fraction` of the target's training FLOPs (at least `min_steps` steps each).
+The fit is L(C) = E + A * (C / C_target)^(-alpha) with `scipy.optimize.curve_fit`; its band comes
+from refitting on bootstrap resamples of the rungs. "Final loss" is the same everywhere: the mean
+training cross-entropy of the last tenth of the steps (at least 3).
+During the target run, the band for each step is the ladder's loss curves, each divided by its own
+final loss (so: as a function of the fraction of training done), times the predicted final loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import curve_fit
+
+from moeflow.configs import LadderConfig, ModelConfig, RunConfig, TrainConfig
+from moeflow.moe.model import Transformer
+
+VERSION = 1
+SMOOTH = 10  # steps in the moving average that curves are compared on
+
+
+def tail_loss(losses: list[float]) -> float:
+    k = max(3, len(losses) // 10)
+    return float(np.mean(losses[-k:]))
+
+
+def smooth(losses: list[float]) -> np.ndarray:
+    x = np.asarray(losses, dtype=float)
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(0, i - SMOOTH)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def _model(cfg: ModelConfig, width: int, layers: int) -> ModelConfig:
+    head = cfg.d_model // cfg.n_heads
+    if width % head or width < head:
+        raise ValueError(f"ladder width {width} is not a multiple of the target's head width {head}")
+    scale = width / cfg.d_model
+    return cfg.model_copy(update={
+        "d_model": width, "n_heads": width // head, "n_layers": layers,
+        "expert_hidden": max(8, round(cfg.expert_hidden * scale / 8) * 8),
+        "shared_expert_hidden": round(cfg.shared_expert_hidden * scale / 8) * 8,
+        "dense_hidden": round(cfg.dense_hidden * scale / 8) * 8 if cfg.dense_hidden else None,
+        "dense_layers": min(cfg.dense_layers, layers)})
+
+
+def flops(model: ModelConfig, train: TrainConfig, vocab: int) -> tuple[int, int]:
+    """(training FLOPs of the run, active parameters) from the model's own FLOPs-per-token estimate."""
+    m = Transformer(model, vocab, train.seq_len)
+    return m.flops_per_token(train.seq_len) * train.steps * train.batch_size * train.seq_len, m.num_params()["active"]
+
+
+def plan(cfg: RunConfig, vocab: int) -> list[dict]:
+    """The rungs: model and train configs, FLOPs and parameters, cheapest first."""
+    lad: LadderConfig = cfg.ladder
+    target_flops, _ = flops(cfg.model, cfg.train, vocab)
+    layers = lad.layers or (cfg.model.n_layers,) * len(lad.widths)
+    models = [_model(cfg.model, w, n) for w, n in zip(lad.widths, layers)]
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    per_token = []
+    for m in models:
+        t = Transformer(m, vocab, cfg.train.seq_len)
+        per_token.append((t.flops_per_token(cfg.train.seq_len), t.num_params()["active"]))
+    # tokens_r = k * N_r, with sum_r fpt_r * k * N_r = fraction * target FLOPs
+    k = lad.budget_fraction * target_flops / sum(f * n for f, n in per_token)
+    rungs = []
+    for m, (fpt, n) in zip(models, per_token):
+        steps = max(lad.min_steps, round(k * n / tokens_per_step))
+        train = cfg.train.model_copy(update={
+            "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
+            "checkpoint_every": steps})
+        rungs.append({"model": m, "train": train, "flops": fpt * steps * tokens_per_step, "params_active": n})
+    return rungs
+
+
+def law(x: np.ndarray, e: float, a: float, alpha: float) -> np.ndarray:
+    return e + a * np.power(x, -alpha)
+
+
+def fit(compute: list[float], loss: list[float], target: float, bootstrap: int = 200, seed: int = 0) -> dict:
+    """Fit L = E + A (C/target)^-alpha; predict at C = target with a bootstrap 90% band."""
+    x = np.asarray(compute, dtype=float) / target
+    y = np.asarray(loss, dtype=float)
+    p0 = (0.8 * y.min(), max(1e-3, y.max() - 0.8 * y.min()), 0.3)
+    bounds = ([0.0, 0.0, 1e-3], [y.min(), np.inf, 3.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        params, _ = curve_fit(law, x, y, p0=p0, bounds=bounds, maxfev=20000)
+        rng = np.random.default_rng(seed)
+        preds = []
+        for _ in range(bootstrap):
+            idx = rng.integers(0, len(x), len(x))
+            if len(set(idx.tolist())) < 3:
+                continue
+            try:
+                p, _ = curve_fit(law, x[idx], y[idx], p0=params, bounds=bounds, maxfev=20000)
+            except RuntimeError:
+                continue
+            preds.append(float(law(np.array([1.0]), *p)[0]))
+    e, a, alpha = (float(v) for v in params)
+    predicted = e + a
+    residual = float(np.sqrt(np.mean((law(x, *params) - y) ** 2)))
+    lo, hi = (np.percentile(preds, [5, 95]).tolist() if len(preds) >= 10 else [predicted, predicted])
+    lo, hi = min(lo, predicted - residual), max(hi, predicted + residual)
+    return {"E": e, "A": a, "alpha": alpha, "predicted": predicted, "band": [lo, hi], "residual_rms": residual,
+            "bootstrap_fits": len(preds)}
+
+
+def predict(cfg: RunConfig, rung_dirs: list[Path], vocab: int, out: Path) -> dict:
+    """Fit the rungs' final losses and write the pre-registered `prediction.json` and `curves.json`."""
+    target_flops, target_params = flops(cfg.model, cfg.train, vocab)
+    rows, curves = [], []
+    for folder in rung_dirs:
+        stats = json.loads((folder / "lineage.json").read_text())["stats"]
+        ce = [json.loads(line)["ce"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        final = tail_loss(ce)
+        rows.append({"d_model": stats["d_model"], "n_layers": stats["n_layers"], "params_active": stats["params_active"],
+                     "steps": stats["steps"], "tokens": stats["tokens"], "flops": stats["flops"],
+                     "final_loss": round(final, 4), "peak_grad_norm": stats["peak_grad_norm"],
+                     "final_load_imbalance": stats["final_load_imbalance"]})
+        s = smooth(ce)
+        curves.append({"fraction": (np.arange(1, len(s) + 1) / len(s)).tolist(), "ratio": (s / final).tolist()})
+    result = fit([r["flops"] for r in rows], [r["final_loss"] for r in rows], target_flops,
+                 bootstrap=cfg.ladder.bootstrap, seed=cfg.seed)
+    prediction = {
+        "registered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "target": {"flops": target_flops, "params_active": target_params, "steps": cfg.train.steps},
+        "ladder_flops": sum(r["flops"] for r in rows), "ladder_fraction": sum(r["flops"] for r in rows) / target_flops,
+        "fit": {k: result[k] for k in ("E", "A", "alpha", "residual_rms", "bootstrap_fits")},
+        "predicted_final_loss": round(result["predicted"], 4), "band": [round(v, 4) for v in result["band"]],
+        "bounds": {"peak_grad_norm": max(r["peak_grad_norm"] for r in rows),
+                   "final_load_imbalance": max(max(r["final_load_imbalance"]) for r in rows)},
+        "rungs": rows,
+    }
+    (out / "prediction.json").write_text(json.dumps(prediction, indent=2, sort_keys=True))
+    (out / "curves.json").write_text(json.dumps(curves))
+    return prediction
+
+
+class Band:
+    """The expected training-loss band of the target run at each step, from the ladder's curves."""
+
+    def __init__(self, folder: Path, steps: int, tolerance: float):
+        pred = json.loads((Path(folder) / "prediction.json").read_text())
+        curves = json.loads((Path(folder) / "curves.json").read_text())
+        grid = (np.arange(1, steps + 1)) / steps
+        ratios = np.array([np.interp(grid, c["fraction"], c["ratio"]) for c in curves])
+        lo, hi = pred["band"]
+        self.lower = ratios.min(axis=0) * lo * (1 - tolerance)
+        self.upper = ratios.max(axis=0) * hi * (1 + tolerance)
+
+    def check(self, step: int, smoothed_loss: float) -> str | None:
+        lo, hi = float(self.lower[step - 1]), float(self.upper[step - 1])
+        if smoothed_loss > hi or smoothed_loss < lo:
+            return f"ladder_band: smoothed loss {smoothed_loss:.4f} outside the predicted [{lo:.4f}, {hi:.4f}]"
+        return None
+
+    def at(self, step: int) -> list[float]:
+        return [round(float(self.lower[step - 1]), 4), round(float(self.upper[step - 1]), 4)]
+
+
+def relative_error(predicted: float, actual: float) -> float:
+    return (actual - predicted) / actual if actual else math.nan
