@@ -1,8 +1,9 @@
 """The model card and lineage report, generated only from the `lineage.json` records walked back from an artifact.
 
-`generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata) and
-`lineage_report.md`. Nothing but lineage records is read, so `moeflow card ARTIFACT_DIR` rebuilds
-the same bytes from the artifact store alone.
+`generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata),
+`lineage_report.md`, a self-contained `lineage_report.html` and the health plots under `plots/`.
+Nothing is read but the lineage records and, for the plots, the metrics of the train artifact they
+name, so `moeflow card ARTIFACT_DIR` rebuilds the same bytes from the artifact store alone.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-VERSION = 5
-CARD, REPORT = "README.md", "lineage_report.md"
+from moeflow.card import plots
+
+VERSION = 6
+CARD, REPORT, HTML = "README.md", "lineage_report.md", "lineage_report.html"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
 
@@ -150,6 +153,8 @@ def render_card(graph: dict[str, dict]) -> str:
                ["source hash", code["source_hash"]], ["hardware", f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
                                                      + (f", {train['host']['cuda']}" if train['host'].get('cuda') else "")]]),
            "", "## Training health", "",
+           "![loss and learning rate](plots/loss.png)", "", "![grad norm](plots/grad_norm.png)", "",
+           "![load imbalance and token drop](plots/balance.png)", "", "![expert load per layer](plots/expert_load.png)", "",
            _table(["field", "value"], [
                ["token drop rate (mean over steps)", ts["token_drop_rate"]],
                ["peak grad norm", ts.get("peak_grad_norm", "-")],
@@ -216,8 +221,26 @@ def render_report(graph: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
+    """One self-contained HTML page (card, then report); plots inlined as data URIs, nothing fetched."""
+    import base64
+
+    import markdown
+
+    body = card_md.split("---", 2)[2] if card_md.startswith("---") else card_md
+    for name in plots.PLOTS:
+        data = base64.b64encode((plots_dir / name).read_bytes()).decode()
+        body = body.replace(f"(plots/{name})", f"(data:image/png;base64,{data})")
+    html = markdown.markdown(body + "\n\n" + report_md, extensions=["tables", "fenced_code"])
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}"
+             "pre{background:#f6f6f6;padding:.5em;overflow-x:auto}img{max-width:100%}")
+    return f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>moeflow lineage report</title>" \
+           f"<style>{style}</style></head><body>\n{html}\n</body></html>\n"
+
+
 def generate(start: Path | list[Path], out: Path) -> dict:
-    """Write the card and the report for the artifact(s) at `start` (a card artifact: its inputs) into `out`."""
+    """Write the card, the report and the plots for the artifact(s) at `start` (a card artifact: its inputs)."""
     roots = [Path(p).resolve() for p in (start if isinstance(start, list) else [start])]
     if len(roots) == 1 and (roots[0] / "lineage.json").exists():
         rec = json.loads((roots[0] / "lineage.json").read_text())
@@ -226,6 +249,11 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     graph = collect(roots)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CARD).write_text(render_card(graph))
-    (out / REPORT).write_text(render_report(graph))
-    return {"stages": list(graph), "card": CARD, "report": REPORT}
+    train = graph["train"]
+    metrics = roots[0].parent.parent / "train" / f"train-{train['artifact']['hash']}" / "metrics.jsonl"
+    plots.health(metrics, train["config"]["train"], out / "plots")
+    card_md, report_md = render_card(graph), render_report(graph)
+    (out / CARD).write_text(card_md)
+    (out / REPORT).write_text(report_md)
+    (out / HTML).write_text(render_html(card_md, report_md, out / "plots"))
+    return {"stages": list(graph), "card": CARD, "report": REPORT, "html": HTML, "plots": list(plots.PLOTS)}

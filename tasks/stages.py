@@ -87,6 +87,27 @@ def _train(cfg: RunConfig, inputs: Inputs, out: Path, work: Path) -> dict:
                      band_tolerance=cfg.ladder.band_tolerance if cfg.ladder else 0.0)
 
 
+def _card(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
+    roots = [m.dir for _, m in sorted(inputs.items())]
+    stats = card.generate(roots, out)
+    _publish(out, roots)
+    return stats
+
+
+def _publish(out: Path, roots: list[Path]) -> None:
+    """Put the card and the per-stage figures on the flow run as Prefect artifacts (visible in the UI)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    create_markdown_artifact(key="model-card", markdown=(out / card.CARD).read_text(), description="moeflow model card")
+    rows = [{"stage": st, "artifact": f"{st}-{rec['artifact']['hash']}", "seconds": rec["seconds"],
+             "documents_in": rec["stats"].get("documents_in", ""), "documents_out": rec["stats"].get("documents_out", "")}
+            for st, rec in card.collect(roots).items()]
+    create_table_artifact(key="stage-stats", table=rows, description="moeflow stages of this run")
+
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
@@ -120,7 +141,7 @@ STAGES: dict[str, Stage] = {
               _train, resumable=True),
         Stage("evaluate", evaluate.VERSION, lambda c: c.evaluate,
               lambda c, i, o: evaluate.run(c.evaluate, train_dir=i["model"].dir, mix_dir=i["mix"].dir, out=o)),
-        Stage("card", card.VERSION, lambda c: {}, lambda c, i, o: card.generate([m.dir for _, m in sorted(i.items())], o)),
+        Stage("card", card.VERSION, lambda c: {}, _card),
     )
 }
 

@@ -65,8 +65,8 @@ def test_card_regenerates_identically_from_lineage(cold, tmp_path):
     _, summary = cold
     card_dir = Path(summary["stages"]["card"]["artifact"])
     card.generate(card_dir, tmp_path)  # from the card artifact: walks to its evaluate input
-    assert (tmp_path / card.CARD).read_bytes() == (card_dir / card.CARD).read_bytes()
-    assert (tmp_path / card.REPORT).read_bytes() == (card_dir / card.REPORT).read_bytes()
+    for name in (card.CARD, card.REPORT, card.HTML, *(f"plots/{p}" for p in card.plots.PLOTS)):
+        assert (tmp_path / name).read_bytes() == (card_dir / name).read_bytes(), name
 
 
 def test_second_run_reuses_every_stage(cold):
@@ -126,3 +126,26 @@ def test_explain_follows_a_document_through_the_stages(cold, capsys):
     dropped = [r for r in read_ledger(Path(summary["stages"]["filter"]["artifact"])).to_pylist() if r["fate"] == "dropped"]
     assert main(["explain", dropped[0]["doc_id"], "--config", str(path)]) == 0
     assert f"filter         dropped      {dropped[0]['reason']}" in capsys.readouterr().out
+
+
+def test_card_plots_and_html_report_are_self_contained(cold):
+    import re
+
+    _, summary = cold
+    card_dir = Path(summary["stages"]["card"]["artifact"])
+    for name in card.plots.PLOTS:
+        assert (card_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(plots/{name})" in (card_dir / card.CARD).read_text()
+    html = (card_dir / card.HTML).read_text()
+    assert "<table>" in html and html.count("data:image/png;base64,") == len(card.plots.PLOTS)
+    assert not re.search(r"""(src|href)=["'](https?:)?//""", html)  # nothing fetched from the network
+    assert "Lineage report" in html
+
+
+def test_card_is_published_as_prefect_artifacts(cold):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-card", "stage-stats"])))
+    assert {a.key for a in found} == {"model-card", "stage-stats"}

@@ -1,0 +1,92 @@
+"""Training-health plots for the model card: PNGs drawn from the train artifact's metrics, byte-stable across runs.
+
+loss.png (cross-entropy, the ladder's band when there is one, learning rate), grad_norm.png (total and
+per parameter group), balance.png (load imbalance per MoE layer, token drop rate) and expert_load.png
+(each MoE layer's share of tokens per expert over the steps). The end of warmup and the start of the
+WSD decay are marked. PNG metadata carries no software version or date, so equal metrics give equal bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+PLOTS = ("loss.png", "grad_norm.png", "balance.png", "expert_load.png")
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _marks(ax, train_cfg: dict) -> None:
+    if train_cfg.get("warmup_steps"):
+        ax.axvline(train_cfg["warmup_steps"], color="grey", lw=0.8, ls=":", label="end of warmup")
+    if train_cfg.get("schedule") == "wsd":
+        start = train_cfg["steps"] - max(1, round(train_cfg["decay_fraction"] * train_cfg["steps"]))
+        ax.axvline(start, color="grey", lw=0.8, ls="--", label="decay starts")
+
+
+def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
+    """Draw the plots into `out`; return their file names."""
+    out.mkdir(parents=True, exist_ok=True)
+    rs = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+    step = np.array([r["step"] for r in rs])
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(step, [r["ce"] for r in rs], lw=0.9, label="cross-entropy")
+    if "ladder_band" in rs[-1]:
+        band = np.array([r.get("ladder_band", [np.nan, np.nan]) for r in rs], dtype=float)
+        ax.fill_between(step, band[:, 0], band[:, 1], alpha=0.2, color="tab:orange", label="ladder band")
+    _marks(ax, train_cfg)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    lr = ax.twinx()
+    lr.plot(step, [r["lr"] for r in rs], color="tab:green", lw=0.7)
+    lr.set_ylabel("learning rate", color="tab:green")
+    ax.legend(loc="upper right", fontsize=8)
+    _save(fig, out / "loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(step, [r["grad_norm"] for r in rs], lw=0.9, color="black", label="total")
+    for group in sorted(rs[-1].get("grad_norm_groups", {})):
+        ax.plot(step, [r["grad_norm_groups"].get(group, np.nan) for r in rs], lw=0.6, label=group)
+    _marks(ax, train_cfg)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("grad norm (before clipping)")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, out / "grad_norm.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    imbalance = np.array([r["load_imbalance"] for r in rs], dtype=float)
+    for layer in range(imbalance.shape[1]):
+        ax.plot(step, imbalance[:, layer], lw=0.8, label=f"MoE layer {layer}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("load imbalance (max / mean)")
+    drop = ax.twinx()
+    drop.plot(step, [r["token_drop_rate"] for r in rs], color="tab:red", lw=0.8)
+    drop.set_ylabel("token drop rate", color="tab:red")
+    ax.legend(fontsize=8)
+    _save(fig, out / "balance.png")
+
+    load = np.array([r["tokens_per_expert"] for r in rs], dtype=float)  # (steps, layers, experts)
+    share = load / load.sum(axis=2, keepdims=True)
+    fig, axes = plt.subplots(1, share.shape[1], figsize=(3.5 * share.shape[1], 3.2), squeeze=False)
+    for layer, ax in enumerate(axes[0]):
+        im = ax.imshow(share[:, layer, :].T, aspect="auto", origin="lower", cmap="viridis",
+                       extent=(step[0], step[-1], -0.5, share.shape[2] - 0.5), vmin=0, vmax=max(0.5, share.max()))
+        ax.set_title(f"MoE layer {layer}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+    fig.colorbar(im, ax=axes[0].tolist(), label="share of tokens")
+    fig.savefig(out / "expert_load.png", dpi=90, metadata={"Software": None}, bbox_inches="tight")
+    plt.close(fig)
+    return list(PLOTS)
