@@ -15,7 +15,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
 
-VERSION = 6
+VERSION = 7
 CARD, REPORT, HTML = "README.md", "lineage_report.md", "lineage_report.html"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
@@ -207,18 +207,80 @@ def _ladder_section(lad: dict, ts: dict) -> list[str]:
                 ["relative error (actual - predicted) / actual", f"{err:+.2%}"]])]
 
 
-def render_report(graph: dict[str, dict]) -> str:
-    out = ["# Lineage report", ""]
+def _flat(obj, prefix: str = "") -> dict[str, object]:
+    if isinstance(obj, (dict, list)):
+        out: dict[str, object] = {}
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def config_diff(store: Path, rec: dict) -> tuple[str | None, list[str]]:
+    """(previous artifact, changed config fields) against the latest artifact of the same stage that
+    finished before this one started: later runs never change the answer."""
+    before = []
+    for path in (store / rec["stage"]).glob(f"{rec['stage']}-*/lineage.json"):
+        other = json.loads(path.read_text())
+        if other["artifact"]["hash"] != rec["artifact"]["hash"] and other["finished_at"] <= rec["started_at"]:
+            before.append(other)
+    if not before:
+        return None, []
+    prev = max(before, key=lambda o: (o["finished_at"], o["artifact"]["hash"]))
+    a, b = _flat(prev["config"]), _flat(rec["config"])
+    changes = [f"`{k}`: {_short(a.get(k))} → {_short(b.get(k))}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if len(changes) > 8:
+        changes = changes[:8] + [f"and {len(changes) - 8} more"]
+    return f"{rec['stage']}-{prev['artifact']['hash']}", changes
+
+
+def drill_down(store: Path, graph: dict[str, dict], per_shard: int = 3) -> list[str]:
+    """Token shards -> their documents -> the raw files those came from."""
+    import pyarrow.parquet as pq
+
+    if "tokenize" not in graph or "ingest" not in graph:
+        return []
+    tok_dir = store / "tokenize" / f"tokenize-{graph['tokenize']['artifact']['hash']}"
+    ing_dir = store / "ingest" / f"ingest-{graph['ingest']['artifact']['hash']}"
+    index = pq.read_table(tok_dir / "index.parquet").to_pylist()
+    raw = dict(zip(*pq.read_table(ing_dir / "docs.parquet", columns=["id", "path"]).to_pydict().values()))
+    out = ["## Drill-down: token shards → documents → raw files", ""]
+    shards: dict[int, list[dict]] = {}
+    for r in index:
+        shards.setdefault(r["shard"], []).append(r)
+    for shard, rows in sorted(shards.items()):
+        sources: dict[str, int] = {}
+        for r in rows:
+            sources[r["source"]] = sources.get(r["source"], 0) + 1
+        out += [f"- `tokenize-{graph['tokenize']['artifact']['hash']}/shard-{shard:05d}.arrow`: {len(rows)} documents, "
+                f"{sum(r['tokens'] for r in rows):,} tokens ("
+                + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())) + ")"]
+        out += [f"  - row {r['row']}: `{r['doc_id']}` ({r['tokens']} tokens) from `{raw.get(r['doc_id'], '?')}`"
+                for r in rows[:per_shard]]
+    return out + ["", "`moeflow explain DOC_ID` follows any document through every stage.", ""]
+
+
+def render_report(graph: dict[str, dict], store: Path) -> str:
+    out = ["# Lineage report", "", "Stages, upstream first: " + " → ".join(graph), ""]
     for st, r in graph.items():
+        prev, changes = config_diff(store, r)
+        diff = (f"- config against the previous `{st}` artifact `{prev}`: "
+                + ("; ".join(changes) or "unchanged (its inputs or the stage's code version changed)")
+                if prev else f"- no earlier `{st}` artifact in this store")
         out += [f"## {st}: `{st}-{r['artifact']['hash']}`", "",
                 f"- content hash: `{r['artifact']['content_hash']}`; stage version {r['version']}",
                 f"- inputs: " + (", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none"),
                 f"- code: commit `{r['code']['commit']}`, source hash `{r['code']['source_hash']}`",
                 f"- Prefect: " + (", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect"),
-                f"- ran {r['started_at']} to {r['finished_at']} ({r['seconds']} s) on {r['host']['hostname']}", "",
+                f"- ran {r['started_at']} to {r['finished_at']} ({r['seconds']} s) on {r['host']['hostname']}", diff, "",
                 "config:", "", "```json", json.dumps(r["config"], indent=2, sort_keys=True), "```", "",
                 "stats:", "", "```json", json.dumps(r["stats"], indent=2, sort_keys=True), "```", ""]
-    return "\n".join(out)
+    return "\n".join(out + drill_down(store, graph))
 
 
 def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
@@ -252,7 +314,7 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     train = graph["train"]
     metrics = roots[0].parent.parent / "train" / f"train-{train['artifact']['hash']}" / "metrics.jsonl"
     plots.health(metrics, train["config"]["train"], out / "plots")
-    card_md, report_md = render_card(graph), render_report(graph)
+    card_md, report_md = render_card(graph), render_report(graph, roots[0].parent.parent)
     (out / CARD).write_text(card_md)
     (out / REPORT).write_text(report_md)
     (out / HTML).write_text(render_html(card_md, report_md, out / "plots"))

@@ -25,7 +25,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from moeflow import card, filters, ingest
 from moeflow.configs import RunConfig
 from moeflow.dedup import contamination, exact
-from moeflow.lineage import record
+from moeflow.lineage import openlineage, record
 from moeflow.lineage.artifacts import Manifest, Store, canonical_json, stage_hash
 from moeflow.moe import evaluate, ladder, train
 from moeflow.sources import fetch
@@ -201,6 +201,7 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
         raise
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
+    openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
     log.info("%s: wrote %s", stage.name, manifest.path)
     return manifest
 

