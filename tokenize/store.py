@@ -18,10 +18,10 @@ from moeflow.configs import TokenizerConfig
 from moeflow.documents import count_docs, iter_docs
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 1
+VERSION = 2
 INDEX = "index.parquet"
 PIECE_CHARS = 16_384
-BATCH_DOCS = 64
+BATCH_CHARS = 4_000_000  # text per encode_batch call: large enough to keep every core busy
 
 
 def token_type(vocab_size: int) -> pa.DataType:
@@ -63,16 +63,26 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
     per_domain: dict[str, int] = {}
     total = count_docs(docs_dir)
     batch: list[dict] = []
+    batch_chars = 0
+
+    pending: list[tuple[dict, np.ndarray]] = []  # documents of the open shard not yet written
+
+    def write_pending() -> None:
+        nonlocal writer
+        if not pending:
+            return
+        if writer is None:
+            writer = pa.ipc.new_file(out / f"shard-{shard_no:05d}.arrow", schema,
+                                     options=pa.ipc.IpcWriteOptions(compression="zstd"))
+        writer.write_table(pa.table({"doc_id": [r["id"] for r, _ in pending], "source": [r["source"] for r, _ in pending],
+                                     "domain": [r["domain"] for r, _ in pending],
+                                     "tokens": pa.array([t for _, t in pending], type=pa.large_list(ttype))}, schema=schema))
+        pending.clear()
 
     def flush(batch: list[dict]) -> None:
         nonlocal shard_no, rows_in_shard, tokens_in_shard, writer
-        ids = encode_docs(tok, [r["text"] for r in batch])
-        for r, toks in zip(batch, ids):
-            if writer is None:
-                path = out / f"shard-{shard_no:05d}.arrow"
-                writer = pa.ipc.new_file(path, schema, options=pa.ipc.IpcWriteOptions(compression="zstd"))
-            writer.write_table(pa.table({"doc_id": [r["id"]], "source": [r["source"]], "domain": [r["domain"]],
-                                         "tokens": pa.array([toks], type=pa.large_list(ttype))}, schema=schema))
+        for r, toks in zip(batch, encode_docs(tok, [r["text"] for r in batch])):
+            pending.append((r, toks))
             for k, v in (("doc_id", r["id"]), ("source", r["source"]), ("domain", r["domain"]),
                          ("shard", shard_no), ("row", rows_in_shard), ("tokens", len(toks))):
                 index[k].append(v)
@@ -80,14 +90,17 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
             rows_in_shard += 1
             tokens_in_shard += len(toks)
             if tokens_in_shard >= cfg.shard_tokens:
+                write_pending()
                 writer.close()
                 writer, shard_no, rows_in_shard, tokens_in_shard = None, shard_no + 1, 0, 0
+        write_pending()
 
     for row in tqdm(iter_docs(docs_dir), total=total, desc="tokenize", unit="doc", mininterval=5):
         batch.append(row)
-        if len(batch) >= BATCH_DOCS:
+        batch_chars += len(row["text"])
+        if batch_chars >= BATCH_CHARS:
             flush(batch)
-            batch = []
+            batch, batch_chars = [], 0
     if batch:
         flush(batch)
     if writer is not None:
