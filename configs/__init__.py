@@ -67,7 +67,13 @@ class FilterConfig(Frozen):
 
 
 class DedupConfig(Frozen):
-    lowercase: bool = True  # normalisation before hashing: case-folding, whitespace collapsed
+    lowercase: bool = True  # exact dedup's normalisation: case-folding (whitespace is always collapsed)
+    minhash: bool = True  # near-duplicates by MinHash LSH, after exact dedup
+    ngram: int = Field(default=5, ge=1)  # word shingle length
+    bands: int = Field(default=14, ge=1)
+    rows: int = Field(default=8, ge=1)  # 14 x 8: candidates from ~0.7 up; threshold checks the estimate
+    threshold: float = Field(default=0.8, gt=0, le=1)  # estimated Jaccard similarity that joins two documents
+    seed: int = 42
 
 
 class DecontamConfig(Frozen):

@@ -24,7 +24,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 
 from moeflow import card, filters, ingest
 from moeflow.configs import RunConfig
-from moeflow.dedup import contamination, exact
+from moeflow.dedup import contamination, corpus
 from moeflow.lineage import openlineage, record
 from moeflow.lineage.artifacts import Manifest, Store, canonical_json, stage_hash
 from moeflow.moe import evaluate, ladder, train
@@ -115,7 +115,7 @@ STAGES: dict[str, Stage] = {
         Stage("sources", 1, lambda c: {"packages": packages_for(c)}, _sources),
         Stage("ingest", ingest.VERSION, lambda c: c.sources, _ingest),
         Stage("filter", filters.VERSION, lambda c: c.filter, lambda c, i, o: filters.run(c.filter, i["docs"].dir, o)),
-        Stage("dedup", exact.VERSION, lambda c: c.dedup, lambda c, i, o: exact.run(c.dedup, i["docs"].dir, o)),
+        Stage("dedup", corpus.VERSION, lambda c: c.dedup, lambda c, i, o: corpus.run(c.dedup, i["docs"].dir, o)),
         Stage("benchmarks", contamination.INDEX_VERSION,
               lambda c: {"benchmarks": c.benchmarks, "ngram": c.decontaminate.ngram,
                          "max_items_per_ngram": c.decontaminate.max_items_per_ngram,
