@@ -58,7 +58,10 @@ class FilterConfig(Frozen):
     # fastText language identification (lid.176): keep documents whose top language is listed, with
     # at least `language_threshold` probability; None: no language filter
     languages: tuple[str, ...] | None = None
-    language_threshold: float = Field(default=0.65, ge=0, le=1)
+    # Measured on the English kernel docs: lid.176's top-language probability for `en` is below 0.50
+    # for 10% of them (code and tables), below 0.35 for 5%; 0.65 dropped 669 English documents of the
+    # tiny preset. 0.3 keeps ~97% of them.
+    language_threshold: float = Field(default=0.3, ge=0, le=1)
     min_words: int = Field(default=50, ge=0)
     max_words: int = Field(default=500_000, gt=0)
     # datatrove GopherRepetitionFilter thresholds (None disables a check)
