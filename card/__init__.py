@@ -274,9 +274,9 @@ def render_report(graph: dict[str, dict], store: Path) -> str:
                 if prev else f"- no earlier `{st}` artifact in this store")
         out += [f"## {st}: `{st}-{r['artifact']['hash']}`", "",
                 f"- content hash: `{r['artifact']['content_hash']}`; stage version {r['version']}",
-                f"- inputs: " + (", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none"),
+                "- inputs: " + (", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none"),
                 f"- code: commit `{r['code']['commit']}`, source hash `{r['code']['source_hash']}`",
-                f"- Prefect: " + (", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect"),
+                "- Prefect: " + (", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect"),
                 f"- ran {r['started_at']} to {r['finished_at']} ({r['seconds']} s) on {r['host']['hostname']}", diff, "",
                 "config:", "", "```json", json.dumps(r["config"], indent=2, sort_keys=True), "```", "",
                 "stats:", "", "```json", json.dumps(r["stats"], indent=2, sort_keys=True), "```", ""]

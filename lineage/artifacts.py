@@ -58,11 +58,6 @@ class Manifest:
     def dir(self) -> Path:
         return Path(self.path)
 
-    def file(self, rel: str) -> Path:
-        if rel not in self.files:
-            raise ArtifactError(f"artifact {self.path} has no file {rel!r}")
-        return self.dir / rel
-
     def to_dict(self) -> dict:
         return asdict(self)
 

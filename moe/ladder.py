@@ -14,7 +14,6 @@ final loss (so: as a function of the fraction of training done), times the predi
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -168,7 +167,3 @@ class Band:
 
     def at(self, step: int) -> list[float]:
         return [round(float(self.lower[step - 1]), 4), round(float(self.upper[step - 1]), 4)]
-
-
-def relative_error(predicted: float, actual: float) -> float:
-    return (actual - predicted) / actual if actual else math.nan
