@@ -42,6 +42,7 @@ class SourceConfig(Frozen):
     domain: str
     license: str
     max_docs: int | None = Field(default=None, gt=0)  # keep the first N files/records (sorted paths)
+    max_doc_bytes: int = Field(default=10_000_000, gt=0)  # larger documents are quarantined as too_large
     optional: bool = False  # skip with a warning when its package cannot be fetched on this machine
 
 

@@ -26,7 +26,7 @@ from moeflow.lineage.ledger import Ledger
 from moeflow.sources import cache_dir, fetch
 
 log = logging.getLogger(__name__)
-VERSION = 1
+VERSION = 2
 
 
 class SourceError(ValueError):
@@ -140,6 +140,9 @@ def _text(src: SourceConfig, value) -> str:
         raise Quarantine("nul_bytes", "text contains NUL bytes")
     if not value.strip():
         raise Quarantine("empty_text", "text is empty or whitespace only")
+    size = len(value.encode("utf-8"))
+    if size > src.max_doc_bytes:
+        raise Quarantine("too_large", f"{size:,} bytes, over the source's max_doc_bytes ({src.max_doc_bytes:,})")
     return value
 
 

@@ -29,6 +29,7 @@ def test_bad_records_are_quarantined_with_reasons(tmp_path):
         b'{"id": "g", "text": "caf\xe9"}',
         json.dumps([1, 2]).encode(),
         json.dumps({"id": "a", "text": GOOD + "again"}).encode(),
+        json.dumps({"id": "big", "text": "word " * 12_000_000}).encode(),  # 60 MB of text in one document
     ]
     (tmp_path / "in" / "part-0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     good = zstandard.ZstdCompressor().compress((json.dumps({"id": "z", "text": GOOD}) + "\n").encode())
@@ -48,9 +49,10 @@ def test_bad_records_are_quarantined_with_reasons(tmp_path):
     assert fates["user/part-0.jsonl#L8"] == ("quarantined", "not_an_object")
     assert [v for k, v in fates.items() if k.startswith("user/a@")] == [("quarantined", "duplicate_id")]
     assert fates["user/part-1.jsonl.zst"] == ("quarantined", "unreadable_file")
-    assert stats["documents_in"] == 10 == len(fates)
+    assert fates["user/big"] == ("quarantined", "too_large")
+    assert stats["documents_in"] == 11 == len(fates)
     assert stats["documents_out"] == 1 == len(list(iter_docs(out)))
-    assert stats["fates"]["quarantined"] == 9
+    assert stats["fates"]["quarantined"] == 10
 
 
 def test_source_matching_nothing_fails_naming_it(tmp_path):
