@@ -31,8 +31,9 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
     # Pass 1: exact hashes (representative: the smallest id, whatever the arrival order), then
     # MinHash signatures of the exact representatives only.
     first: dict[int, str] = {}
+    hash_of: dict[str, int] = {}  # ingest guarantees unique ids
     for row in iter_docs(docs_dir, columns=["id", "text"]):
-        h = xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode())
+        h = hash_of[row["id"]] = xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode())
         if h not in first or row["id"] < first[h]:
             first[h] = row["id"]
     near: dict[str, tuple[str, float]] = {}
@@ -51,7 +52,7 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
     with DocWriter(out) as writer:
         for row in iter_docs(docs_dir):
             n_in += 1
-            rep = first[xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode())]
+            rep = first[hash_of[row["id"]]]
             if rep != row["id"]:
                 ledger.add(row["id"], "duplicate", "exact", rep)
                 exact_clusters[rep] = exact_clusters.get(rep, 1) + 1
