@@ -7,6 +7,9 @@ Run: `python benchmarks/tokenize_load.py` (fetches the packages it reads if need
 - loading: batches of 16 x 129 tokens from a mix-format Arrow file, read the way training reads
   them, against the same tokens read from a numpy memmap (`loader_vs_memmap_ratio`), and against
   the tokens/s one training step of the tiny preset's model consumes (`loader_vs_training_ratio`).
+- layout: the store's tokens as one uint16 column in 1M-token record batches, uncompressed, lz4 and
+  zstd: file size and random 2,048-token window reads per second (the measurement behind an
+  uncompressed training file and zstd token-store shards).
 The last line printed is one JSON object.
 """
 
@@ -39,6 +42,37 @@ def best(fn, repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def layouts(flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: int = 2048, reads: int = 200) -> dict:
+    """The token-file layout choice: one flat uint16 column in record batches of `batch_tokens`, written
+    uncompressed, lz4 and zstd; file size and random `window`-token reads per second (memory-mapped)."""
+    import pyarrow as pa
+
+    figures = {"layout_tokens": len(flat)}
+    starts = np.random.default_rng(1).integers(0, len(flat) - window, reads)
+    for codec in (None, "lz4", "zstd"):
+        path = root / f"layout-{codec or 'none'}.arrow"
+        schema = pa.schema([("tokens", pa.uint16())])
+        with pa.ipc.new_file(path, schema, options=pa.ipc.IpcWriteOptions(compression=codec)) as w:
+            for i in range(0, len(flat), batch_tokens):
+                w.write_batch(pa.record_batch([pa.array(flat[i : i + batch_tokens])], schema=schema))
+
+        def read() -> None:
+            with pa.memory_map(str(path)) as src:
+                reader = pa.ipc.open_file(src)
+                for s in starts:  # a window may straddle two batches: read what it needs of each
+                    parts, s = [], int(s)
+                    while sum(map(len, parts)) < window:
+                        b, off = divmod(s, batch_tokens)
+                        col = reader.get_batch(b).column(0)
+                        parts.append(col.slice(off, window - sum(map(len, parts))).to_numpy(zero_copy_only=False))
+                        s = (b + 1) * batch_tokens
+
+        name = codec or "uncompressed"
+        figures[f"layout_{name}_mb"] = round(path.stat().st_size / 1e6, 1)
+        figures[f"layout_{name}_windows_per_s"] = round(reads / best(read))
+    return figures
 
 
 def main() -> None:
@@ -78,9 +112,9 @@ def main() -> None:
         tokens = len(rows) * WIDTH
 
         def ours_load():
-            data = train.sequences(root / "train.arrow")
+            data = train.Sequences(root / "train.arrow")
             for i in range(0, len(data), BATCH):
-                torch.from_numpy(data[i : i + BATCH])
+                torch.from_numpy(data.rows(i, i + BATCH))
 
         def memmap_load():
             data = np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r").reshape(-1, WIDTH)
@@ -88,6 +122,7 @@ def main() -> None:
                 torch.from_numpy(data[i : i + BATCH].astype(np.int64))
 
         t_ours, t_mm = best(ours_load), best(memmap_load)
+        figures.update(layouts(np.concatenate(list(store.read_tokens(out).values())).astype(np.uint16), root))
     cfg = configs.load("tiny")
     model = train.build_model(cfg.model, 8192, cfg.train.seq_len, 0)
     batch = torch.randint(0, 8192, (cfg.train.batch_size, cfg.train.seq_len + 1))

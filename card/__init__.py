@@ -1,7 +1,8 @@
 """The model card and lineage report, generated only from the `lineage.json` records walked back from an artifact.
 
 `generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata),
-`lineage_report.md`, a self-contained `lineage_report.html` and the health plots under `plots/`.
+`lineage_report.md`, a self-contained `lineage_report.html`, the stage graph `lineage.svg` and the
+health plots under `plots/`.
 Nothing is read but the lineage records and, for the plots, the metrics of the train artifact they
 name, so `moeflow card ARTIFACT_DIR` rebuilds the same bytes from the artifact store alone.
 """
@@ -15,8 +16,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
 
-VERSION = 7
-CARD, REPORT, HTML = "README.md", "lineage_report.md", "lineage_report.html"
+VERSION = 8
+CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 
 
@@ -82,7 +83,7 @@ def render_card(graph: dict[str, dict]) -> str:
     name = f"moeflow-{train['run_config']}-moe"
     heldout = ev["stats"]["heldout"]
     data = ModelCardData(
-        language=["en"],
+        language=list(graph["filter"]["config"].get("languages") or []) or None,  # only what was identified
         license=license_id,
         license_name=license_name,
         library_name="pytorch",
@@ -109,7 +110,8 @@ def render_card(graph: dict[str, dict]) -> str:
                ["experts", model_cfg["num_experts"]], ["top-k", model_cfg["top_k"]],
                ["expert hidden", model_cfg["expert_hidden"]], ["shared expert hidden", model_cfg["shared_expert_hidden"]],
                ["routing", "dropless (no token dropped)"], ["backend", model_cfg["backend"]],
-               ["context length", ts["seq_len"]], ["vocabulary", ts["vocab_size"]],
+               ["context length", ", ".join(f"{ph['seq_len']} ({ph['name']})" for ph in mix["phases"])],
+               ["vocabulary", ts["vocab_size"]],
                ["tokenizer", graph["tokenizer"]["stats"]["kind"]]]),
            "", "## Data", "", "### Sources", "",
            _table(["source", "package", "version", "license", "domain", "files", "documents", "quarantined"],
@@ -119,6 +121,7 @@ def render_card(graph: dict[str, dict]) -> str:
            _table(["stage", "documents in", "documents out", "removed (fate:reason count)"],
                   [[st, graph[st]["stats"]["documents_in"], graph[st]["stats"]["documents_out"], _fates(graph[st]["stats"])]
                    for st in DATA_STAGES]),
+           *_filter_section(graph["filter"]["stats"]), *_dedup_section(graph["dedup"]["stats"]),
            "", f"### Benchmark contamination ({bench['ngram']}-gram overlap)", "",
            f"N-grams are {bench['ngram']} consecutive lower-cased `\\w+` words (punctuation and spacing "
            f"ignored); n-grams found in more than {graph['benchmarks']['config']['max_items_per_ngram']} items, or with fewer than "
@@ -136,18 +139,32 @@ def render_card(graph: dict[str, dict]) -> str:
                     overlap["remaining"].get(b, {}).get("documents", 0) if overlap else "not measured"]
                    for b, s in sorted(bench["benchmarks"].items())]),
            "", "### Training mix", "",
-           _table(["domain", "weight", "training tokens", "epochs over the domain", "held-out documents"],
-                  [[d, p["weight"], mix["train_tokens_per_domain"].get(d, 0), p["epochs"],
+           f"Tokens per domain and curriculum phase, as packed into the mix (sequences of context length + 1; "
+           f"{mix['batch_size']} sequences per step); epochs count how often a domain's documents have been "
+           "drawn by the end of the phase.", "",
+           _table(["phase", "steps", "context length", "domain", "weight", "tokens planned", "tokens in mix",
+                   "epochs so far"],
+                  [[ph["name"], f"{ph['start_step'] + 1}-{ph['start_step'] + ph['steps']}", ph["seq_len"], d, w,
+                    ph["target_tokens"].get(d, 0), ph["tokens_per_domain"].get(d, 0), ph["epochs_after"].get(d, 0)]
+                   for ph in mix["phases"] for d, w in sorted(ph["weights"].items())]), "",
+           _table(["domain", "training documents", "training tokens available", "tokens in mix", "epochs",
+                   "held-out documents"],
+                  [[d, p["documents"], p["training_tokens_available"], p["tokens"], p["epochs"],
                     mix["heldout_documents"].get(d, 0)] for d, p in sorted(mix["plan"].items())]),
            "", "## Training", "",
            _table(["field", "value"], [
-               ["steps", ts["steps"]], ["tokens", f"{ts['tokens']:,}"], ["batch size", ts["batch_size"]],
+               ["steps", ts["steps"]], ["tokens", f"{ts['tokens']:,}"],
+               ["tokens planned (mix phases, inputs per sequence)",
+                f"{sum(ph['steps'] * mix['batch_size'] * ph['seq_len'] for ph in mix['phases']):,}"],
+               ["batch size", ts["batch_size"]],
                ["initial loss (mean of first 10 steps)", ts["initial_loss"]],
                ["final loss (mean of last 10 steps)", ts["final_loss"]], ["tokens/s", ts["tokens_per_s"]],
                ["schedule", f"{ts.get('schedule', 'cosine')}, {ts.get('precision', 'fp32')}"],
                ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
                ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
-               ["resumes", ", ".join(f"from step {r['from_step']}" for r in ts.get("resumes", [])) or "none"],
+               ["resumes", (", ".join(f"from step {r['from_step']}" for r in ts.get("resumes", [])) or "none")
+                + " (a resume continues the same config: checkpoints live in a folder keyed by the train stage's "
+                  "config hash, so a changed config starts a new run and a new artifact)"],
                ["train artifact", f"train-{train['artifact']['hash']}"],
                ["code commit", code["commit"] + (" (uncommitted changes)" if code.get("dirty") else "")],
                ["source hash", code["source_hash"]], ["hardware", f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
@@ -164,16 +181,66 @@ def render_card(graph: dict[str, dict]) -> str:
            "", "## Evaluation", "",
            _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
                   [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),
-           "", "## Limitations", "",
-           f"A research-scale model trained on {ts['tokens']:,} tokens of {len(sources)} sources "
-           f"({', '.join(sorted({s['domain'] for s in sources.values()}))}); it is not fit for any use beyond "
-           "testing the pipeline.", "",
+           "", "## Limitations and intended use", "", *_limitations(graph), "",
            "## Lineage", "",
            _table(["stage", "artifact", "content hash", "Prefect task run", "seconds"],
                   [[st, f"{st}-{r['artifact']['hash']}", r["artifact"]["content_hash"],
                     r["prefect"].get("task_run_id", "-"), r["seconds"]] for st, r in graph.items()]),
            "", "See `lineage_report.md` for every stage's config, inputs and statistics.", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def _limitations(graph: dict[str, dict]) -> list[str]:
+    """Limits read from the data: languages kept and removed, domains present and missing, size, checks."""
+    ts, fil, mix = graph["train"]["stats"], graph["filter"], graph["mix"]["stats"]
+    langs = fil["config"].get("languages")
+    removed: dict[str, int] = {}
+    for key, n in fil["stats"]["fates"].items():
+        if key.startswith("dropped:language."):
+            lang = key.removeprefix("dropped:language.").removesuffix("_uncertain")
+            removed[lang] = removed.get(lang, 0) + n
+    if langs:
+        lang_line = (f"- Languages: {', '.join(langs)} only. The language filter (fastText lid.176, probability >= "
+                     f"{fil['config']['language_threshold']}) removed "
+                     + (", ".join(f"{n} documents identified as `{k}`" for k, n in sorted(removed.items(), key=lambda x: -x[1]))
+                        or "no documents") + "; text in other languages is out of distribution.")
+    else:
+        lang_line = "- Languages: not identified (no language filter in this run); the card cannot say which are present."
+    tokens = mix["train_tokens_per_domain"]
+    total = sum(tokens.values()) or 1
+    configured = {s["domain"] for s in graph["ingest"]["stats"]["sources"].values()}
+    missing = sorted(configured - {d for d, n in tokens.items() if n})
+    return [lang_line,
+            "- Domains: " + ", ".join(f"{d} ({n / total:.0%} of training tokens)" for d, n in sorted(tokens.items()))
+            + ". " + (f"Configured but absent from training: {', '.join(missing)}. " if missing else "")
+            + "Any other kind of text (web pages, dialogue, other programming languages, mathematics) was not in the "
+              "training data.",
+            f"- Size: {ts['params_total']:,} parameters trained on {ts['tokens']:,} tokens: a research-scale model for "
+            "testing the pipeline, not for any use that relies on its outputs.",
+            f"- Benchmarks: training text was checked against {len(graph['benchmarks']['stats']['benchmarks'])} "
+            "benchmarks' test items (above); benchmarks not listed there were not checked."]
+
+
+def _filter_section(stats: dict) -> list[str]:
+    if "by_source" not in stats:
+        return []
+    reasons = sorted({k for c in stats["by_source"].values() for k in c if k.startswith("dropped:")})
+    rows = [[src, c.get("kept", 0), c.get("kept:rewritten", 0), *(c.get(r, 0) for r in reasons)]
+            for src, c in sorted(stats["by_source"].items())]
+    return ["", "### Filter decisions per source", "",
+            "Documents kept, kept after a rewrite (C4 removes lines), and dropped per filter step and reason "
+            "(`step.reason`, datatrove's reason strings for its blocks).", "",
+            _table(["source", "kept", "of which rewritten", *(r.removeprefix("dropped:") for r in reasons)], rows)]
+
+
+def _dedup_section(stats: dict) -> list[str]:
+    exact, near = stats.get("cluster_sizes", {}), stats.get("minhash_cluster_sizes", {})
+    sizes = sorted({*exact, *near}, key=int)
+    return ["", "### Duplicate clusters", "",
+            f"{stats.get('duplicate_clusters', 0)} exact clusters and {stats.get('minhash_clusters', 0)} MinHash clusters; "
+            "each keeps its smallest document id. Clusters by size (documents in the cluster):", "",
+            _table(["cluster size", "exact clusters", "MinHash clusters"],
+                   [[z, exact.get(z, 0), near.get(z, 0)] for z in sizes]) if sizes else "No duplicates found."]
 
 
 def _alarms(alarms: list[dict], show: int = 5) -> str:
@@ -265,8 +332,40 @@ def drill_down(store: Path, graph: dict[str, dict], per_shard: int = 3) -> list[
     return out + ["", "`moeflow explain DOC_ID` follows any document through every stage.", ""]
 
 
+def dag_svg(graph: dict[str, dict]) -> str:
+    """The stage graph as a standalone SVG: a column per depth (longest path from a source), an arrow per input."""
+    from html import escape
+
+    depth: dict[str, int] = {}
+    for st, r in graph.items():  # `graph` is in topological order
+        depth[st] = 1 + max((depth[i["stage"]] for i in r["inputs"].values() if i["stage"] in depth), default=-1)
+    columns: dict[int, list[str]] = {}
+    for st in graph:
+        columns.setdefault(depth[st], []).append(st)
+    w, h, dx, dy, pad = 130, 34, 170, 50, 10
+    pos = {st: (pad + d * dx, pad + i * dy) for d, sts in columns.items() for i, st in enumerate(sts)}
+    width = pad * 2 + max(columns) * dx + w
+    height = pad * 2 + max(len(v) for v in columns.values()) * dy - (dy - h)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             'font-size="11"><defs><marker id="a" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
+             'markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" fill="#555"/></marker></defs>']
+    for st, r in graph.items():
+        for inp in sorted({i["stage"] for i in r["inputs"].values() if i["stage"] in pos}):
+            (x0, y0), (x1, y1) = pos[inp], pos[st]
+            x0, y0, y1 = x0 + w, y0 + h / 2, y1 + h / 2
+            parts.append(f'<path d="M{x0},{y0} C{x0 + 30},{y0} {x1 - 30},{y1} {x1},{y1}" fill="none" stroke="#555" '
+                         'marker-end="url(#a)"/>')
+    for st, (x, y) in pos.items():
+        parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="#eef3fb" stroke="#4a6fa5"/>'
+                     f'<text x="{x + w / 2}" y="{y + 14}" text-anchor="middle" font-weight="bold">{escape(st)}</text>'
+                     f'<text x="{x + w / 2}" y="{y + 27}" text-anchor="middle" fill="#555">'
+                     f'{escape(graph[st]["artifact"]["hash"][:12])}</text>')
+    return "\n".join(parts + ["</svg>", ""])
+
+
 def render_report(graph: dict[str, dict], store: Path) -> str:
-    out = ["# Lineage report", "", "Stages, upstream first: " + " → ".join(graph), ""]
+    out = ["# Lineage report", "", f"![stage graph: each box a stage and its artifact hash]({DAG})", "",
+           "Stages, upstream first: " + " → ".join(graph), ""]
     for st, r in graph.items():
         prev, changes = config_diff(store, r)
         diff = (f"- config against the previous `{st}` artifact `{prev}`: "
@@ -293,6 +392,9 @@ def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
     for name in plots.PLOTS:
         data = base64.b64encode((plots_dir / name).read_bytes()).decode()
         body = body.replace(f"(plots/{name})", f"(data:image/png;base64,{data})")
+    dag = plots_dir.parent / DAG
+    if dag.exists():
+        report_md = report_md.replace(f"({DAG})", f"(data:image/svg+xml;base64,{base64.b64encode(dag.read_bytes()).decode()})")
     html = markdown.markdown(body + "\n\n" + report_md, extensions=["tables", "fenced_code"])
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}"
@@ -317,5 +419,6 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     card_md, report_md = render_card(graph), render_report(graph, roots[0].parent.parent)
     (out / CARD).write_text(card_md)
     (out / REPORT).write_text(report_md)
+    (out / DAG).write_text(dag_svg(graph))
     (out / HTML).write_text(render_html(card_md, report_md, out / "plots"))
-    return {"stages": list(graph), "card": CARD, "report": REPORT, "html": HTML, "plots": list(plots.PLOTS)}
+    return {"stages": list(graph), "card": CARD, "report": REPORT, "html": HTML, "dag": DAG, "plots": list(plots.PLOTS)}

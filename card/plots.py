@@ -2,8 +2,8 @@
 
 loss.png (cross-entropy, the ladder's band when there is one, learning rate), grad_norm.png (total and
 per parameter group), balance.png (load imbalance per MoE layer, token drop rate) and expert_load.png
-(each MoE layer's share of tokens per expert over the steps). The end of warmup and the start of the
-WSD decay are marked. PNG metadata carries no software version or date, so equal metrics give equal bytes.
+(each MoE layer's share of tokens per expert over the steps). Curriculum phase boundaries, the end of
+warmup and the start of the WSD decay are marked. PNG metadata carries no software version or date, so equal metrics give equal bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def _marks(ax, train_cfg: dict) -> None:
+def _marks(ax, train_cfg: dict, rs: list[dict] | None = None) -> None:
+    for i in range(1, len(rs or [])):  # curriculum phase boundaries (the context length may change there)
+        if rs[i].get("phase") != rs[i - 1].get("phase"):
+            ax.axvline(rs[i]["step"] - 0.5, color="tab:purple", lw=1.0, ls="-.",
+                       label=f"phase {rs[i]['phase']} (context {rs[i].get('seq_len')})")
     if train_cfg.get("warmup_steps"):
         ax.axvline(train_cfg["warmup_steps"], color="grey", lw=0.8, ls=":", label="end of warmup")
     if train_cfg.get("schedule") == "wsd":
@@ -45,7 +49,7 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     if "ladder_band" in rs[-1]:
         band = np.array([r.get("ladder_band", [np.nan, np.nan]) for r in rs], dtype=float)
         ax.fill_between(step, band[:, 0], band[:, 1], alpha=0.2, color="tab:orange", label="ladder band")
-    _marks(ax, train_cfg)
+    _marks(ax, train_cfg, rs)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     lr = ax.twinx()
@@ -58,7 +62,7 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     ax.plot(step, [r["grad_norm"] for r in rs], lw=0.9, color="black", label="total")
     for group in sorted(rs[-1].get("grad_norm_groups", {})):
         ax.plot(step, [r["grad_norm_groups"].get(group, np.nan) for r in rs], lw=0.6, label=group)
-    _marks(ax, train_cfg)
+    _marks(ax, train_cfg, rs)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("grad norm (before clipping)")

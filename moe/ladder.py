@@ -54,33 +54,62 @@ def _model(cfg: ModelConfig, width: int, layers: int) -> ModelConfig:
         "dense_layers": min(cfg.dense_layers, layers)})
 
 
-def flops(model: ModelConfig, train: TrainConfig, vocab: int) -> tuple[int, int]:
-    """(training FLOPs of the run, active parameters) from the model's own FLOPs-per-token estimate."""
-    m = Transformer(model, vocab, train.seq_len)
-    return m.flops_per_token(train.seq_len) * train.steps * train.batch_size * train.seq_len, m.num_params()["active"]
+def flops(model: ModelConfig, train: TrainConfig, vocab: int,
+          phases: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(training FLOPs of the run, active parameters) from the model's own FLOPs-per-token estimate;
+    `phases`: (steps, seq_len) of each curriculum phase, default one phase at train.seq_len."""
+    phases = phases or [(train.steps, train.seq_len)]
+    m = Transformer(model, vocab, max(s for _, s in phases))
+    return (sum(m.flops_per_token(s) * n * train.batch_size * s for n, s in phases), m.num_params()["active"])
 
 
 def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     """The rungs: model and train configs, FLOPs and parameters, cheapest first."""
     lad: LadderConfig = cfg.ladder
-    target_flops, _ = flops(cfg.model, cfg.train, vocab)
+    phases = [(p.steps, p.seq_len) for p in cfg.phases()]
+    target_flops, _ = flops(cfg.model, cfg.train, vocab, phases)
     layers = lad.layers or (cfg.model.n_layers,) * len(lad.widths)
     models = [_model(cfg.model, w, n) for w, n in zip(lad.widths, layers)]
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    seq0 = phases[0][1]  # a rung trains on a prefix of the mix, through its phases
     per_token = []
     for m in models:
-        t = Transformer(m, vocab, cfg.train.seq_len)
-        per_token.append((t.flops_per_token(cfg.train.seq_len), t.num_params()["active"]))
+        t = Transformer(m, vocab, max(s for _, s in phases))
+        per_token.append((t.flops_per_token(seq0), t.num_params()["active"]))
     # tokens_r = k * N_r, with sum_r fpt_r * k * N_r = fraction * target FLOPs
     k = lad.budget_fraction * target_flops / sum(f * n for f, n in per_token)
     rungs = []
     for m, (fpt, n) in zip(models, per_token):
-        steps = max(lad.min_steps, round(k * n / tokens_per_step))
+        t = Transformer(m, vocab, max(s for _, s in phases))
+        steps = max(lad.min_steps, _steps_for(fpt * k * n, t, cfg.train.batch_size, phases))
         train = cfg.train.model_copy(update={
             "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
             "checkpoint_every": steps})
-        rungs.append({"model": m, "train": train, "flops": fpt * steps * tokens_per_step, "params_active": n})
+        rung_flops, _ = flops(m, train, vocab, _prefix(phases, steps))
+        rungs.append({"model": m, "train": train, "flops": rung_flops, "params_active": n})
     return rungs
+
+
+def _steps_for(budget: float, model: Transformer, batch_size: int, phases: list[tuple[int, int]]) -> int:
+    """Steps of `model` along the mix's phases (the last one extended) until `budget` FLOPs are spent."""
+    steps = 0
+    for i, (n, seq_len) in enumerate(phases):
+        per_step = model.flops_per_token(seq_len) * batch_size * seq_len
+        take = round(budget / per_step) if i == len(phases) - 1 else min(n, round(budget / per_step))
+        steps, budget = steps + take, budget - take * per_step
+        if budget <= per_step / 2:
+            break
+    return steps
+
+
+def _prefix(phases: list[tuple[int, int]], steps: int) -> list[tuple[int, int]]:
+    """The (steps, seq_len) phases of the first `steps` steps of the mix."""
+    out, left = [], steps
+    for n, seq_len in phases:
+        if left <= 0:
+            break
+        out.append((min(n, left), seq_len))
+        left -= out[-1][0]
+    return out
 
 
 def law(x: np.ndarray, e: float, a: float, alpha: float) -> np.ndarray:
@@ -118,7 +147,7 @@ def fit(compute: list[float], loss: list[float], target: float, bootstrap: int =
 
 def predict(cfg: RunConfig, rung_dirs: list[Path], vocab: int, out: Path) -> dict:
     """Fit the rungs' final losses and write the pre-registered `prediction.json` and `curves.json`."""
-    target_flops, target_params = flops(cfg.model, cfg.train, vocab)
+    target_flops, target_params = flops(cfg.model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
     rows, curves = [], []
     for folder in rung_dirs:
         stats = json.loads((folder / "lineage.json").read_text())["stats"]

@@ -24,6 +24,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -49,9 +50,36 @@ class StopTraining(Exception):
 
 
 def sequences(path: Path) -> np.ndarray:
-    """A mix output file as an int64 array [rows, seq_len + 1]."""
+    """A mix output file of one sequence length as an int64 array [rows, seq_len + 1]."""
     col = mix.read(path).column("tokens").combine_chunks()
     return col.flatten().to_numpy().astype(np.int64).reshape(len(col), col.type.list_size)
+
+
+class Sequences:
+    """The training sequences of a mix file, memory-mapped; rows of different phases differ in length."""
+
+    def __init__(self, path: Path):
+        table = mix.read(path)
+        col = table.column("tokens").combine_chunks()
+        self.values = col.values.to_numpy()
+        if isinstance(col, pa.FixedSizeListArray):
+            self.offsets = np.arange(len(col) + 1, dtype=np.int64) * col.type.list_size
+        else:
+            self.offsets = col.offsets.to_numpy().astype(np.int64)
+        self.phase = (table.column("phase").to_numpy() if "phase" in table.column_names
+                      else np.zeros(len(col), dtype=np.int16))
+        self.max_len = int(np.diff(self.offsets).max()) - 1 if len(col) else 0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows a..b-1 as an int64 array [rows, length]; they must share a length (a step stays in one phase)."""
+        widths = np.diff(self.offsets[a : b + 1])
+        if len(set(widths.tolist())) != 1:
+            raise ValueError(f"rows {a}..{b - 1} mix sequence lengths {sorted(set(widths.tolist()))}: "
+                             "a batch must not cross a phase boundary")
+        return self.values[self.offsets[a] : self.offsets[b]].astype(np.int64).reshape(b - a, int(widths[0]))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -135,19 +163,18 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(work or out)
     work.mkdir(parents=True, exist_ok=True)
-    data = sequences(Path(mix_dir) / "train.arrow")
+    data = Sequences(Path(mix_dir) / "train.arrow")
     needed = cfg.steps * cfg.batch_size
     if len(data) < needed:
         raise ValueError(f"train: the mix holds {len(data)} sequences, {needed} are needed (steps x batch_size)")
     vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
-    model = build_model(model_cfg, vocab, cfg.seq_len, seed)
+    max_len = max(data.max_len, cfg.seq_len)
+    model = build_model(model_cfg, vocab, max_len, seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     params = model.num_params()
-    flops_per_token = model.flops_per_token(cfg.seq_len)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     micro = cfg.batch_size // cfg.grad_accum
     monitor = Monitor(cfg.alarms)
     band = ladder.Band(ladder_dir, cfg.steps, band_tolerance) if ladder_dir else None
@@ -185,8 +212,11 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             ce_sum = lb_sum = z_sum = lz_sum = 0.0
             per_expert = None
             dropped = 0
+            first = step * cfg.batch_size
+            seq_len = data.rows(first, first + cfg.batch_size).shape[1] - 1
+            tokens_per_step = cfg.batch_size * seq_len
             for m in range(cfg.grad_accum):
-                rows = data[step * cfg.batch_size + m * micro : step * cfg.batch_size + (m + 1) * micro]
+                rows = data.rows(first + m * micro, first + (m + 1) * micro)
                 with _autocast(cfg.precision):
                     ce, auxes, logit_z = lm_loss(model, torch.from_numpy(rows), logit_z=cfg.logit_z_coef > 0)
                 lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
@@ -206,8 +236,8 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             per_expert_l = [c.tolist() for c in per_expert]
             imbalance = [max(c) / (sum(c) / len(c)) for c in per_expert_l]
             assignments = sum(sum(c) for c in per_expert_l)
-            tflops = flops_per_token * tokens_per_step / dt / 1e12
-            record = {"step": step + 1, "loss": round(ce_v + cfg.load_balance_coef * lb_sum / n
+            tflops = model.flops_per_token(seq_len) * tokens_per_step / dt / 1e12
+            record = {"step": step + 1, "phase": int(data.phase[first]), "seq_len": seq_len, "loss": round(ce_v + cfg.load_balance_coef * lb_sum / n
                                                       + cfg.router_z_coef * z_sum / n + cfg.logit_z_coef * lz_sum / n, 5),
                       "ce": round(ce_v, 5), "load_balancing_loss": round(lb_sum / n, 5),
                       "router_z_loss": round(z_sum / n, 5), "logit_z_loss": round(lz_sum / n, 5),
@@ -246,11 +276,11 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                 checkpoint.save(ckpt_root, step + 1, model, opt, {"data_position": (step + 1) * cfg.batch_size,
                                                                   "resumes": resumes}, cfg.keep_checkpoints)
     tb.close()
-    return _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from)
+    return _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from, max_len)
 
 
 def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: dict, resumes: list, alarms: list,
-            resumed_from) -> dict:
+            resumed_from, max_len: int) -> dict:
     """Copy the final checkpoint, metrics and event files into the artifact; summarise the run."""
     final = checkpoint.latest(work / "checkpoints")
     if work != out:
@@ -260,25 +290,29 @@ def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: di
         shutil.copy(work / "alarms.jsonl", out / "alarms.jsonl")
     shutil.copy(final / "model.safetensors", out / "model.safetensors")
     (out / "model_config.json").write_text(json.dumps({**model_cfg.model_dump(mode="json"), "vocab_size": vocab,
-                                                       "max_seq_len": cfg.seq_len}, indent=2, sort_keys=True))
+                                                       "max_seq_len": max_len}, indent=2, sort_keys=True))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["ce"] for r in records]
     k = min(10, len(losses))
     head, tail = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     last = records[-1]
     tps = [r["tokens_per_s"] for r in records]
-    tokens = cfg.steps * cfg.batch_size * cfg.seq_len
-    return {"steps": cfg.steps, "tokens": tokens, "batch_size": cfg.batch_size,
-            "seq_len": cfg.seq_len, "params_total": params["total"], "params_active": params["active"],
+    step_tokens = [cfg.batch_size * r.get("seq_len", cfg.seq_len) for r in records]
+    tokens = sum(step_tokens)
+    flops = sum(model.flops_per_token(r.get("seq_len", cfg.seq_len)) * n for r, n in zip(records, step_tokens))
+    phases = [{"phase": r.get("phase", 0), "start_step": r["step"] - 1, "seq_len": r.get("seq_len", cfg.seq_len)}
+              for i, r in enumerate(records) if i == 0 or r.get("phase") != records[i - 1].get("phase")]
+    return {"steps": cfg.steps, "tokens": tokens, "batch_size": cfg.batch_size, "phases": phases,
+            "seq_len": max_len, "params_total": params["total"], "params_active": params["active"],
             "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
-            "flops_per_token": model.flops_per_token(cfg.seq_len), "flops": model.flops_per_token(cfg.seq_len) * tokens,
+            "flops_per_token": model.flops_per_token(max_len), "flops": flops,
             "tail_loss": round(ladder.tail_loss(losses), 4),
             "initial_loss": round(head, 4), "final_loss": round(tail, 4), "loss_fell": tail < head,
             "tokens_per_s": round(float(np.median(tps)), 1), "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
             "mfu": last["mfu"], "peak_grad_norm": max(r["grad_norm"] for r in records),
             "final_load_imbalance": last["load_imbalance"], "final_tokens_per_expert": last["tokens_per_expert"],
             "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
-            "train_seconds": round(sum(cfg.batch_size * cfg.seq_len / r["tokens_per_s"] for r in records), 1),
+            "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
             "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
             "vocab_size": vocab, "resumes": resumes, "resumed_from_step": resumed_from, "alarms": alarms,
             "schedule": cfg.schedule, "precision": cfg.precision}

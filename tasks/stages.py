@@ -42,6 +42,10 @@ class Stage:
     config: Callable[[RunConfig], Any]  # the config fields that change this stage's output
     body: Callable[..., dict]  # (cfg, inputs, out[, work]): writes the artifact's files into `out`, returns stats
     resumable: bool = False  # gets a `work` folder that outlives a failed attempt (checkpoints), removed on success
+    # a record stage: `body(..., shard=(rank, world_size))` makes one shard's artifact (`<stage>.shard`),
+    # `merge(part_dirs, out)` joins them; the joined artifact's key leaves the shard count out
+    shards: Callable[[RunConfig], int] | None = None
+    merge: Callable[[list[Path], Path], dict] | None = None
 
 
 def packages_for(cfg: RunConfig) -> list[str]:
@@ -80,7 +84,7 @@ def _tokenizer(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
 
 
 def _mix(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
-    return mix.run(cfg.mix, seed=cfg.seed, seq_len=cfg.train.seq_len, num_sequences=cfg.train.steps * cfg.train.batch_size,
+    return mix.run(cfg.mix, seed=cfg.seed, phases=cfg.phases(), batch_size=cfg.train.batch_size,
                    store_dir=inputs["shards"].dir, tokenizer_dir=inputs["tokenizer"].dir, out=out)
 
 
@@ -116,7 +120,9 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage("sources", 1, lambda c: {"packages": packages_for(c)}, _sources),
         Stage("ingest", ingest.VERSION, lambda c: c.sources, _ingest),
-        Stage("filter", filters.VERSION, lambda c: c.filter, lambda c, i, o: filters.run(c.filter, i["docs"].dir, o)),
+        Stage("filter", filters.VERSION, lambda c: c.filter.model_dump(mode="json", exclude={"shards"}),
+              lambda c, i, o, shard=(0, 1): filters.run(c.filter, i["docs"].dir, o, shard=shard),
+              shards=lambda c: c.filter.shards, merge=filters.merge),
         Stage("dedup", corpus.VERSION, lambda c: c.dedup, lambda c, i, o: corpus.run(c.dedup, i["docs"].dir, o)),
         Stage("benchmarks", contamination.INDEX_VERSION,
               lambda c: {"benchmarks": c.benchmarks, "ngram": c.decontaminate.ngram,
@@ -132,8 +138,7 @@ STAGES: dict[str, Stage] = {
         Stage("tokenize", token_store.VERSION, lambda c: {"shard_tokens": c.tokenizer.shard_tokens},
               lambda c, i, o: token_store.run(c.tokenizer, i["docs"].dir, i["tokenizer"].dir, o)),
         Stage("mix", mix.VERSION,
-              lambda c: {"mix": c.mix, "seed": c.seed, "seq_len": c.train.seq_len,
-                         "sequences": c.train.steps * c.train.batch_size}, _mix),
+              lambda c: {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}, _mix),
         Stage("rung", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed}, _train,
               resumable=True),
         Stage("ladder", ladder.VERSION, lambda c: {"ladder": c.ladder, "model": c.model, "train": c.train},
@@ -163,30 +168,42 @@ def _dump(value: Any) -> Any:
     return value
 
 
-def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs) -> str:
-    return stage_hash(stage.name, stage.version, _jsonable(stage.config(cfg)),
-                      {k: v.content_hash for k, v in sorted(inputs.items())})
+def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs, shard: tuple[int, int] | None = None) -> str:
+    config = _jsonable(stage.config(cfg))
+    if shard is not None:
+        return stage_hash(f"{stage.name}.shard", stage.version, {"config": config, "shard": list(shard)},
+                          {k: v.content_hash for k, v in sorted(inputs.items())})
+    return stage_hash(stage.name, stage.version, config, {k: v.content_hash for k, v in sorted(inputs.items())})
 
 
-def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool = False) -> Manifest:
-    """Return the stage's artifact, building it unless it is in the store already (or `force`)."""
+def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool = False,
+                shard: tuple[int, int] | None = None, parts: list[Manifest] | None = None) -> Manifest:
+    """Return the stage's artifact, building it unless it is in the store already (or `force`).
+
+    `shard`: build one record shard of a sharded stage; `parts`: build the stage by merging its shards."""
     stage = STAGES[stage_name]
     store = Store(cfg.store_path())
-    key = artifact_key(stage, cfg, inputs)
-    existing = store.get(stage.name, key)
+    key = artifact_key(stage, cfg, inputs, shard)
+    name = f"{stage.name}.shard" if shard is not None else stage.name
+    existing = store.get(name, key)
     if existing is not None and not force:
-        log.info("%s: reusing %s", stage.name, existing.path)
+        log.info("%s: reusing %s", name, existing.path)
         return existing
-    for name, manifest in sorted(inputs.items()):  # a flipped byte or a cut file upstream fails here, named
-        manifest.verify()
-    tmp = store.staging(stage.name)
-    work = store.folder(stage.name, key).with_name(f".{stage.name}-{key}.work") if stage.resumable else None
+    for manifest in [m for _, m in sorted(inputs.items())] + list(parts or []):  # a flipped byte or a cut
+        manifest.verify()  # file upstream fails here, named
+    tmp = store.staging(name)
+    work = store.folder(name, key).with_name(f".{name}-{key}.work") if stage.resumable else None
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     try:
-        stats = stage.body(cfg, inputs, tmp, work) if stage.resumable else stage.body(cfg, inputs, tmp)
+        if parts:
+            stats = stage.merge([m.dir for m in parts], tmp)
+        elif shard is not None:
+            stats = stage.body(cfg, inputs, tmp, shard=shard)
+        else:
+            stats = stage.body(cfg, inputs, tmp, work) if stage.resumable else stage.body(cfg, inputs, tmp)
         lineage = {
-            "stage": stage.name,
+            "stage": name,
             "version": stage.version,
             "config": _jsonable(stage.config(cfg)),
             "run_config": cfg.name,
@@ -200,25 +217,33 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
             "seconds": round(time.perf_counter() - t0, 2),
             "stats": stats,
         }
-        manifest = store.commit(stage.name, key, tmp, stats, lineage)
+        if shard is not None:
+            lineage["shard"] = list(shard)
+        if parts:
+            lineage["shards"] = [{"hash": m.hash, "content_hash": m.content_hash,
+                                  "path": Path(m.path).relative_to(store.root).as_posix()} for m in parts]
+        manifest = store.commit(name, key, tmp, stats, lineage)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
     openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
-    log.info("%s: wrote %s", stage.name, manifest.path)
+    log.info("%s: wrote %s", name, manifest.path)
     return manifest
 
 
 def _cache_key(context, parameters: dict) -> str:
     """Prefect's cache key is the artifact's key; results persist in the store (`<store>/.prefect-results`)."""
-    return f"{parameters['stage_name']}-{artifact_key(STAGES[parameters['stage_name']], parameters['cfg'], parameters['inputs'])}"
+    stage, shard = STAGES[parameters["stage_name"]], parameters.get("shard")
+    key = artifact_key(stage, parameters["cfg"], parameters["inputs"], tuple(shard) if shard else None)
+    return f"{stage.name}{'.shard' if shard else ''}-{key}"
 
 
 def _make_task(stage: Stage):
-    def run_stage(stage_name: str, cfg: RunConfig, inputs: Inputs, force: bool = False) -> Manifest:
-        return materialize(stage_name, cfg, inputs, force=force)
+    def run_stage(stage_name: str, cfg: RunConfig, inputs: Inputs, force: bool = False,
+                  shard: tuple[int, int] | None = None, parts: list[Manifest] | None = None) -> Manifest:
+        return materialize(stage_name, cfg, inputs, force=force, shard=shard, parts=parts)
 
     return task(name=stage.name, cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True,
                 task_run_name=f"{stage.name}", log_prints=True)(run_stage)
@@ -246,14 +271,36 @@ class Pipeline:
         force = stage in self.rerun
         task_ = TASKS[stage].with_options(refresh_cache=force, result_storage=self.cfg.store_path() / ".prefect-results",
                                           task_run_name=label or stage)
-        state = task_(stage, cfg, inputs, force=force, return_state=True)
+        parts = self._shards(stage, cfg, inputs, task_, force, label or stage)
+        state = task_(stage, cfg, inputs, force=force, parts=parts, return_state=True)
+        manifest = self._record(label or stage, state, lambda: task_.with_options(refresh_cache=True)(
+            stage, cfg, inputs, parts=parts, return_state=True))
+        self.done = stage == self.until
+        return manifest
+
+    def _shards(self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool, label: str) -> list[Manifest] | None:
+        """A sharded stage whose joined artifact is not stored yet: its shards as concurrent tasks, each cached."""
+        st = STAGES[stage]
+        n = st.shards(cfg) if st.shards else 1
+        if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
+            return None
+        futures = [task_.with_options(task_run_name=f"{label}[{r}/{n}]").submit(stage, cfg, inputs, force=force, shard=(r, n))
+                   for r in range(n)]
+        parts = []
+        for r, future in enumerate(futures):
+            future.wait()
+            retry = task_.with_options(refresh_cache=True, task_run_name=f"{label}[{r}/{n}]")
+            parts.append(self._record(f"{label}[{r}/{n}]", future.state,
+                                      lambda r=r, retry=retry: retry(stage, cfg, inputs, shard=(r, n), return_state=True)))
+        return parts
+
+    def _record(self, label: str, state, rebuild) -> Manifest:
         manifest: Manifest = state.result()
         if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
-            log.warning("%s: cached result points at missing %s; rebuilding", stage, manifest.path)
-            state = task_.with_options(refresh_cache=True)(stage, cfg, inputs, return_state=True)
+            log.warning("%s: cached result points at missing %s; rebuilding", label, manifest.path)
+            state = rebuild()
             manifest = state.result()
         made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
-        self.stages[label or stage] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,
+        self.stages[label] = {"artifact": manifest.path, "hash": manifest.hash, "content_hash": manifest.content_hash,
                               "reused": made_by != str(state.state_details.task_run_id)}
-        self.done = stage == self.until
         return manifest

@@ -1,5 +1,7 @@
 """Filters give exact reasons; exact dedup keeps the smallest id of each cluster; conservation holds."""
 
+import json
+
 from datatrove.data import Document
 
 from moeflow import filters
@@ -41,6 +43,79 @@ def test_filter_stage_accounts_for_every_document(tmp_path):
     assert stats["documents_in"] == 3 and stats["documents_out"] == 2
     assert stats["fates"]["dropped:length.too_short"] == 1
     assert [d["id"] for d in iter_docs(out)] == ["a", "c"]
+
+
+def test_datatrove_quality_blocks_give_their_reasons():
+    cfg = FilterConfig(steps=("length", "gopher_quality", "fineweb", "c4"), min_words=5,
+                       gopher_quality={"min_doc_words": 20}, c4={"filter_no_terminal_punct": False})
+    fs = filters.build(cfg)
+    symbols = " ".join(["# § ¶ -- ** 12 34 56 ## x"] * 10)
+    assert filters.judge(fs, Document(text=symbols, id="a"))[1].startswith("gopher_quality.gopher_")
+    listy = "\n".join(f"item number {i} of the list" for i in range(40))  # no line ends with punctuation
+    assert filters.judge(fs, Document(text=listy, id="b")) == (False, "fineweb.line_punct_ratio")
+    prose = PROSE.replace(". ", ".\n").strip()  # FineWeb counts lines that end in punctuation
+    braces = prose.replace("grain.", "grain {see below}.")
+    assert filters.judge(fs, Document(text=braces, id="c")) == (False, "c4.curly_bracket")
+    assert filters.judge(fs, Document(text=prose + "\n" + prose.upper(), id="d")) == (True, "")
+
+
+def test_overrides_apply_per_domain_then_source(tmp_path):
+    cfg = FilterConfig(steps=("length",), min_words=20, overrides={"poems": {"min_words": 5}, "haiku": {"min_words": 2}})
+    assert cfg.resolved("poems").min_words == 5
+    assert cfg.resolved("poems", "haiku").min_words == 2  # the source's entry wins over its domain's
+    src = tmp_path / "in"
+    src.mkdir()
+    with DocWriter(src) as w:
+        for doc_id, domain, source in [("a", "d", "s"), ("b", "poems", "s"), ("c", "poems", "haiku")]:
+            w.write({"id": doc_id, "source": source, "domain": domain, "path": "p", "text": "six words in this short text"})
+        w.write({"id": "e", "source": "haiku", "domain": "poems", "path": "p", "text": "one"})
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = filters.run(cfg, src, out)
+    assert [d["id"] for d in iter_docs(out)] == ["b", "c"]
+    assert stats["by_source"] == {"haiku": {"kept": 1, "dropped:length.too_short": 1},
+                                  "s": {"kept": 1, "dropped:length.too_short": 1}}
+
+
+def test_c4_rewrites_are_recorded_with_their_sizes(tmp_path):
+    text = PROSE + "\nshort line\n" + PROSE  # C4 removes lines of fewer than three words
+    src = _write(tmp_path / "in", [("a", text)])
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = filters.run(FilterConfig(steps=("c4",), c4={"min_num_sentences": 1}), src, out)
+    row = read_ledger(out).to_pylist()[0]
+    assert row["fate"] == "kept" and row["reason"] == "rewritten"
+    sizes = json.loads(row["detail"])
+    kept = next(iter_docs(out))["text"]
+    assert "short line" not in kept and sizes == {"chars_before": len(text), "chars_after": len(kept)}
+    assert stats["fates"]["kept:rewritten"] == 1
+
+
+def test_shards_joined_equal_the_unsharded_stage(tmp_path):
+    docs = [(f"d{i:03d}", PROSE * (1 + i % 3) if i % 4 else "short") for i in range(50)]
+    src = tmp_path / "in"
+    src.mkdir()
+    with DocWriter(src, rows_per_group=4) as w:  # 13 row groups
+        for doc_id, text in docs:
+            w.write({"id": doc_id, "source": "s", "domain": "d", "path": "p", "text": text})
+    cfg = FilterConfig(min_words=20)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    expected = filters.run(cfg, src, whole)
+    parts = []
+    for rank in range(3):
+        part = tmp_path / f"part{rank}"
+        part.mkdir()
+        stats = filters.run(cfg, src, part, shard=(rank, 3))
+        (part / "manifest.json").write_text(json.dumps({"stats": stats}))
+        parts.append(part)
+    assert {len(list(iter_docs(p))) for p in parts} != {0}
+    joined = tmp_path / "joined"
+    joined.mkdir()
+    merged = filters.merge(parts, joined)
+    assert merged.pop("shards") == 3 and merged == expected
+    for name in ("docs.parquet", "ledger.parquet"):
+        assert (joined / name).read_bytes() == (whole / name).read_bytes()
 
 
 def test_exact_dedup_normalises_and_keeps_smallest_id(tmp_path):

@@ -55,6 +55,17 @@ def test_card_reports_what_the_lineage_holds(cold):
         assert fact in text
     for domain, r in lineage["evaluate"]["stats"]["heldout"].items():
         assert f"| {domain} | {r['loss']} |" in text
+    phases = lineage["mix"]["stats"]["phases"]
+    assert [p["name"] for p in phases] == ["short", "long"] and [p["phase"] for p in ts["phases"]] == [0, 1]
+    for ph in phases:
+        for d, w in ph["weights"].items():
+            assert (f"| {ph['name']} | {ph['start_step'] + 1}-{ph['start_step'] + ph['steps']} | {ph['seq_len']} | {d} | {w} | "
+                    f"{ph['target_tokens'].get(d, 0)} | {ph['tokens_per_domain'].get(d, 0)} |") in text
+    for source, counts in lineage["filter"]["stats"]["by_source"].items():
+        assert f"| {source} | {counts.get('kept', 0)} | {counts.get('kept:rewritten', 0)} |" in text
+    limits = text.split("## Limitations and intended use")[1].split("##")[0]
+    assert "- Languages: not identified" in limits  # the smoke preset has no language filter
+    assert f"{ts['params_total']:,} parameters trained on {ts['tokens']:,} tokens" in limits
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["license"] == "other" and "PSF-2.0" in meta["license_name"]
     parsed = ModelCard(text).data  # huggingface_hub validates the metadata
@@ -66,7 +77,7 @@ def test_card_regenerates_identically_from_lineage(cold, tmp_path):
     _, summary = cold
     card_dir = Path(summary["stages"]["card"]["artifact"])
     card.generate(card_dir, tmp_path)  # from the card artifact: walks to its evaluate input
-    for name in (card.CARD, card.REPORT, card.HTML, *(f"plots/{p}" for p in card.plots.PLOTS)):
+    for name in (card.CARD, card.REPORT, card.HTML, card.DAG, *(f"plots/{p}" for p in card.plots.PLOTS)):
         assert (tmp_path / name).read_bytes() == (card_dir / name).read_bytes(), name
 
 
@@ -108,7 +119,7 @@ def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path)
     store = tmp_path / "store"
     path = write_config(tmp_path / "bad.yaml", store=str(store), sources=[
         {"name": "mine", "path": str(tmp_path / "nowhere" / "*.jsonl"), "format": "jsonl", "domain": "literature",
-         "license": "cc0"}], mix={"weights": {"literature": 1.0}})
+         "license": "cc0"}], mix={"weights": {"literature": 1.0}, "phases": []}, filter={"overrides": {}})
     with pytest.raises(SourceError, match="source 'mine'"):
         pretrain(config=str(path))
     assert not store.exists()
@@ -139,7 +150,12 @@ def test_card_plots_and_html_report_are_self_contained(cold):
     html = (card_dir / card.HTML).read_text()
     assert "<table>" in html and html.count("data:image/png;base64,") == len(card.plots.PLOTS)
     assert not re.search(r"""(src|href)=["'](https?:)?//""", html)  # nothing fetched from the network
-    assert "Lineage report" in html
+    assert "Lineage report" in html and html.count("data:image/svg+xml;base64,") == 1
+    svg = (card_dir / card.DAG).read_text()
+    rec = json.loads((card_dir / "lineage.json").read_text())
+    graph = card.collect([Path(summary["store"]) / i["path"] for i in rec["inputs"].values()])
+    assert all(f">{st}</text>" in svg for st in graph)
+    assert svg.count("marker-end") == sum(len({i["stage"] for i in r["inputs"].values()}) for r in graph.values())
 
 
 def test_card_is_published_as_prefect_artifacts(cold):
@@ -196,3 +212,45 @@ def test_a_corrupted_shard_is_caught_before_training(cold, tmp_path):
             pretrain(config=str(changed))
     finally:
         shard.write_bytes(original)
+
+
+def test_filter_shards_are_tasks_cached_on_their_own_and_join_to_the_same_bytes(cold, tmp_path):
+    import shutil
+
+    path, first = cold
+    sharded = write_config(tmp_path / "sharded.yaml", store=first["store"], filter={"shards": 3})
+    out = pretrain(config=str(sharded), until="filter", rerun=["filter"])
+    shards = [f"filter[{r}/3]" for r in range(3)]
+    assert all(not out["stages"][s]["reused"] for s in [*shards, "filter"])
+    assert out["stages"]["filter"]["content_hash"] == first["stages"]["filter"]["content_hash"]
+    # a lost shard (and the joined artifact): only that shard is computed again
+    shutil.rmtree(out["stages"]["filter[1/3]"]["artifact"])
+    shutil.rmtree(out["stages"]["filter"]["artifact"])
+    again = pretrain(config=str(sharded), until="filter")
+    assert [again["stages"][s]["reused"] for s in shards] == [True, False, True]
+    assert again["stages"]["filter"]["content_hash"] == first["stages"]["filter"]["content_hash"]
+    lineage = json.loads((Path(again["stages"]["filter"]["artifact"]) / "lineage.json").read_text())
+    assert [Path(s["path"]).parent.name for s in lineage["shards"]] == ["filter.shard"] * 3
+
+
+def test_datatrove_loguru_messages_reach_the_prefect_run_log(prefect_server):
+    from loguru import logger
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.context import get_run_context
+    from prefect.logging.handlers import APILogHandler
+
+    from moeflow.ops.logs import route_loguru
+
+    @flow
+    def speaks() -> str:
+        route_loguru()
+        logger.info("a message from loguru")
+        return str(get_run_context().flow_run.id)
+
+    run_id = speaks()
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+    assert "a message from loguru" in [entry.message for entry in logs]

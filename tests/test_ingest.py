@@ -70,3 +70,27 @@ def test_text_files_become_one_document_each(tmp_path):
     stats = ingest.run(ingest.resolve_sources_list([src]), out)
     assert [d["id"] for d in iter_docs(out)] == ["t/one.txt"]
     assert stats["fates"] == {"kept": 1, "quarantined": 1, "quarantined:invalid_utf8": 1}
+
+
+def test_unreadable_files_are_quarantined_naming_the_error(tmp_path):
+    import os
+
+    (tmp_path / "in").mkdir()
+    for name in ("a", "gone", "locked"):
+        (tmp_path / "in" / f"{name}.jsonl").write_text(json.dumps({"id": name, "text": GOOD}) + "\n")
+    resolved = ingest.resolve_sources_list([_source(tmp_path, id_field="id")])
+    (tmp_path / "in" / "gone.jsonl").unlink()  # vanished between resolution and reading
+    locked = tmp_path / "in" / "locked.jsonl"
+    locked.chmod(0)  # unreadable, except to root (CI runs as root: then this one is read)
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(resolved, out)
+    fates = {r["doc_id"]: (r["fate"], r["reason"], r["detail"]) for r in read_ledger(out).to_pylist()}
+    assert fates["user/gone.jsonl"][:2] == ("quarantined", "unreadable_file")
+    assert "FileNotFoundError" in fates["user/gone.jsonl"][2] and "gone.jsonl" in fates["user/gone.jsonl"][2]
+    if os.geteuid() != 0:
+        assert fates["user/locked.jsonl"][:2] == ("quarantined", "unreadable_file")
+        assert "PermissionError" in fates["user/locked.jsonl"][2]
+    else:
+        assert fates["user/locked"][:2] == ("kept", "")
+    assert stats["documents_in"] == len(fates) == 3

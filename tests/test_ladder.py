@@ -28,7 +28,7 @@ def test_rungs_keep_the_recipe_and_the_budget():
     cfg = configs.load("tiny").model_copy(update={"ladder": LadderConfig(widths=(32, 64, 96), budget_fraction=0.5,
                                                                           min_steps=5)})
     rungs = ladder.plan(cfg, vocab=8192)
-    target, _ = ladder.flops(cfg.model, cfg.train, 8192)
+    target, _ = ladder.flops(cfg.model, cfg.train, 8192, [(p.steps, p.seq_len) for p in cfg.phases()])
     assert [r["model"].d_model for r in rungs] == [32, 64, 96]
     for r in rungs:
         m = r["model"]

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moeflow.configs import MixConfig, TokenizerConfig
+from moeflow.configs import ConfigError, MixConfig, Phase, TokenizerConfig
 from moeflow.documents import DocWriter
 from moeflow.sources import fetch
 from moeflow.tokenize import mix, store, tokenizer
@@ -51,8 +51,9 @@ def test_store_round_trips_text_and_shards(built, docs):
 
 def test_every_packed_token_traces_to_its_document(built, tmp_path):
     tok_dir, store_dir, _ = built
-    stats = mix.run(MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1), seed=3, seq_len=32,
-                    num_sequences=40, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
+    stats = mix.run(MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1), seed=3,
+                    phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})], batch_size=4,
+                    store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
     tokens = store.read_tokens(store_dir)
     eos = tokenizer.load(tok_dir).token_to_id(tokenizer.EOS)
     table = mix.read(tmp_path / "train.arrow")
@@ -71,6 +72,46 @@ def test_every_packed_token_traces_to_its_document(built, tmp_path):
     assert {s["row"] for s in mix.segments_of(tmp_path / "train.arrow", first["doc_id"])} >= {5}
     shares = stats["train_tokens_per_domain"]
     assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.05
+
+
+def _phase(name, start, steps, seq_len, weights, index=0):
+    return Phase(name=name, index=index, steps=steps, start_step=start, seq_len=seq_len, weights=weights)
+
+
+def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
+    from moeflow.moe.train import Sequences
+
+    tok_dir, store_dir, _ = built
+    phases = [_phase("short", 0, 6, 16, {"a": 0.8, "b": 0.2}), _phase("long", 6, 4, 48, {"a": 0.2, "b": 0.8}, index=1)]
+    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1)
+    stats = mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
+    data = Sequences(tmp_path / "train.arrow")
+    assert len(data) == 40 and data.phase.tolist() == [0] * 24 + [1] * 16
+    assert data.rows(0, 24).shape == (24, 17) and data.rows(24, 40).shape == (16, 49)
+    with pytest.raises(ValueError, match="phase boundary"):
+        data.rows(20, 28)
+    for ph, want in zip(stats["phases"], (0.8, 0.2)):
+        got = ph["tokens_per_domain"]
+        assert ph["tokens"] == sum(got.values()) and abs(got["a"] / ph["tokens"] - want) < 0.05, ph
+    assert mix.read(tmp_path / "heldout.arrow").column("tokens").type.list_size == 49  # the last phase's length
+    # the same seed gives the same file; a loader resumed at any step boundary yields the same batches
+    again = tmp_path / "again"
+    again.mkdir()
+    mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=again)
+    assert (again / "train.arrow").read_bytes() == (tmp_path / "train.arrow").read_bytes()
+    import datasets  # users open the mix with the library they know
+
+    ds = datasets.Dataset.from_file(str(tmp_path / "train.arrow"))
+    assert len(ds) == 40 and ds[30]["tokens"] == data.rows(30, 31)[0].tolist() and ds[30]["phase"] == 1
+
+
+def test_a_phase_needing_too_many_epochs_is_a_config_error_naming_it(built, tmp_path):
+    tok_dir, store_dir, _ = built
+    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1, max_epochs=2,
+                    phases=({"name": "p0", "fraction": 0.5}, {"name": "p1"}))
+    phases = [_phase("p0", 0, 5, 32, {"a": 0.5, "b": 0.5}), _phase("p1", 5, 400, 32, {"a": 0.1, "b": 0.9}, index=1)]
+    with pytest.raises(ConfigError, match=r"mix\.phases\.1: phase 'p1' needs domain 'b' repeated \d+ times"):
+        mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
 
 
 def test_gpt2_tokenizer_from_the_fetched_package(tmp_path, docs):

@@ -6,8 +6,14 @@ order until the domain has its share of the token budget, repeating a domain's d
 when it is too small; repetitions are recorded. The drawn documents are shuffled together and
 packed, separated by the end-of-text token, into sequences of `seq_len + 1` tokens, which are shuffled
 again so that no long document fills consecutive batches.
-Outputs: `train.arrow` and `heldout.arrow` (uncompressed Arrow IPC, memory-mappable), each row one
-sequence with the segments it holds: (doc_id, position in the sequence, offset in the document, length).
+The run is a curriculum of phases (`mix.phases`), each with its own domain weights, budget in steps and
+context length; a domain's documents are drawn in seeded permutations that carry on from phase to
+phase, and repeating a domain more than `mix.max_epochs` times is a config error.
+Outputs: `train.arrow` and `heldout.arrow` (uncompressed Arrow IPC in the stream format, memory-mapped
+without a copy; the format `datasets` caches in, so `datasets.Dataset.from_file` opens them), each row one
+sequence with the segments it holds: (doc_id, position in the sequence, offset in the document, length);
+`train.arrow` also holds each row's phase (rows of different phases have different lengths), and
+`heldout.arrow` each row's domain, at the last phase's context length.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from moeflow.configs import MixConfig
+from moeflow.configs import ConfigError, MixConfig, Phase
 from moeflow.tokenize.store import read_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 3
+VERSION = 4
 SEGMENT = pa.struct([("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())])
 
 
@@ -58,23 +64,44 @@ def pack(docs: list[tuple[str, np.ndarray, bool]], seq_len: int, eos: int, max_s
     return rows, segments
 
 
-def _write(path: Path, rows, segments, domains: list[str] | None, vocab_size: int) -> None:
+def _write(path: Path, rows, segments, domains: list[str] | None, vocab_size: int, phases: list[int] | None = None) -> None:
+    """Rows of one width become a fixed-size list column; rows of several widths (phases) a list column."""
     ttype = pa.uint16() if vocab_size <= 65536 else pa.uint32()
-    width = len(rows[0]) if rows else 0
-    flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-    cols = {
-        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(ttype.to_pandas_dtype())), width),
-        "segments": pa.array(segments, type=pa.list_(SEGMENT)),
-    }
+    widths = {len(r) for r in rows}
+    flat = pa.array((np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)).astype(ttype.to_pandas_dtype()))
+    if len(widths) <= 1:
+        tokens = pa.FixedSizeListArray.from_arrays(flat, widths.pop() if widths else 0)
+    else:
+        tokens = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum([len(r) for r in rows])]), pa.int32()), flat)
+    cols = {"tokens": tokens, "segments": pa.array(segments, type=pa.list_(SEGMENT))}
     if domains is not None:
         cols["domain"] = pa.array(domains, type=pa.string())
+    if phases is not None:
+        cols["phase"] = pa.array(phases, type=pa.int16())
     table = pa.table(cols)
-    with pa.ipc.new_file(path, table.schema) as w:
+    with pa.ipc.new_stream(path, table.schema) as w:
         w.write_table(table)
 
 
-def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_dir: Path, tokenizer_dir: Path,
+class _Domain:
+    """A domain's training documents, drawn in seeded permutations that carry on across phases."""
+
+    def __init__(self, ids: list[str], rng: np.random.Generator):
+        self.ids, self.rng = ids, rng
+        self.order: list[int] = []
+        self.epochs = 0
+
+    def next(self) -> str:
+        if not self.order:
+            self.order = list(self.rng.permutation(len(self.ids))[::-1])
+            self.epochs += 1
+        return self.ids[self.order.pop()]
+
+
+def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, store_dir: Path, tokenizer_dir: Path,
         out: Path) -> dict:
+    """Write `train.arrow` (every phase's sequences in training order) and `heldout.arrow` (at the last
+    phase's context length); raise ConfigError when a phase needs more repetition than `max_epochs`."""
     import pyarrow.parquet as pq
 
     tok = load_tokenizer(tokenizer_dir)
@@ -85,9 +112,11 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
     for r in index:
         if r["tokens"] > 0:
             by_domain.setdefault(r["domain"], []).append(r["doc_id"])
-    missing = sorted(d for d, w in cfg.weights.items() if w > 0 and d not in by_domain)
-    if missing:
-        raise ValueError(f"mix.weights asks for domains {missing}, but no document of them survived the data stages")
+    for ph in phases:
+        missing = sorted(d for d, w in ph.weights.items() if w > 0 and d not in by_domain)
+        if missing:
+            raise ConfigError(f"mix: phase {ph.name!r} asks for domains {missing}, but no document of them survived "
+                              "the data stages")
     heldout: dict[str, list[str]] = {}
     train: dict[str, list[str]] = {}
     for domain, ids in sorted(by_domain.items()):
@@ -99,64 +128,79 @@ def run(cfg: MixConfig, *, seed: int, seq_len: int, num_sequences: int, store_di
         train[domain] = [d for d in ids if d not in held]
 
     rng = np.random.default_rng(seed)
-    budget = num_sequences * (seq_len + 1)
-    total_w = sum(w for d, w in cfg.weights.items() if w > 0)
-    drawn: list[tuple[str, np.ndarray]] = []
-    plan: dict[str, dict] = {}
-    for domain, weight in sorted(cfg.weights.items()):
-        if weight <= 0 or not train.get(domain):
-            continue
-        target = int(budget * weight / total_w) + 1
-        ids = train[domain]
-        got, epochs = 0, 0
-        while got < target:
-            epochs += 1
-            for i in rng.permutation(len(ids)):
-                doc_id = ids[i]
+    domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
+    domain_tokens = {d: sum(len(tokens[i]) + 1 for i in ids) for d, ids in train.items()}
+    all_rows, all_segments, phase_col, plan = [], [], [], []
+    for ph in phases:
+        num_sequences = ph.steps * batch_size
+        budget = num_sequences * (ph.seq_len + 1)
+        total_w = sum(w for w in ph.weights.values() if w > 0)
+        drawn: list[tuple[str, np.ndarray, bool]] = []
+        targets = {}
+        for domain, weight in sorted(ph.weights.items()):
+            if weight <= 0 or domain not in domains:
+                continue
+            target = targets[domain] = int(budget * weight / total_w) + 1
+            got, source = 0, domains[domain]
+            while got < target:
+                doc_id = source.next()
                 full = tokens[doc_id]
                 take = full[: target - got]  # the last document may be cut to the budget
                 drawn.append((doc_id, take, len(take) == len(full)))
                 got += len(take) + 1
-                if got >= target:
-                    break
-        plan[domain] = {"weight": weight, "target_tokens": target, "tokens": got, "documents": len(ids), "epochs": epochs}
-    order = rng.permutation(len(drawn))
-    rows, segments = pack([drawn[i] for i in order], seq_len, eos, max_sequences=num_sequences)
-    if len(rows) < num_sequences:
-        raise ValueError(f"mix: packed only {len(rows)} of {num_sequences} sequences; the budget is too large")
-    # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
-    # fill many consecutive batches, and the loss would swing with whatever document is current.
-    perm = rng.permutation(len(rows))
-    rows, segments = [rows[i] for i in perm], [segments[i] for i in perm]
-    _write(out / "train.arrow", rows, segments, None, vocab)
+            if source.epochs > cfg.max_epochs:
+                field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
+                raise ConfigError(f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
+                                  f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
+                                  f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs")
+        order = rng.permutation(len(drawn))
+        rows, segments = pack([drawn[i] for i in order], ph.seq_len, eos, max_sequences=num_sequences)
+        if len(rows) < num_sequences:
+            raise ValueError(f"mix: phase {ph.name!r} packed only {len(rows)} of {num_sequences} sequences")
+        # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
+        # fill many consecutive batches, and the loss would swing with whatever document is current.
+        perm = rng.permutation(len(rows))
+        all_rows += [rows[i] for i in perm]
+        all_segments += [segments[i] for i in perm]
+        phase_col += [ph.index] * len(rows)
+        plan.append({"name": ph.name, "start_step": ph.start_step, "steps": ph.steps, "seq_len": ph.seq_len,
+                     "sequences": len(rows), "tokens": len(rows) * (ph.seq_len + 1), "weights": ph.weights,
+                     "target_tokens": targets, "tokens_per_domain": _per_domain([segments[i] for i in perm], index),
+                     "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs}})
+    _write(out / "train.arrow", all_rows, all_segments, None, vocab, phases=phase_col)
 
+    last = phases[-1].seq_len
     ho_rows, ho_segs, ho_domains = [], [], []
     for domain, ids in sorted(heldout.items()):
-        r, s = pack([(d, tokens[d], True) for d in sorted(ids)], seq_len, eos)
+        r, s = pack([(d, tokens[d], True) for d in sorted(ids)], last, eos)
         ho_rows += r
         ho_segs += s
         ho_domains += [domain] * len(r)
     _write(out / "heldout.arrow", ho_rows, ho_segs, ho_domains, vocab)
-    realised: dict[str, int] = {}
-    for segs in segments:
-        for s in segs:
-            realised[s["doc_id"]] = realised.get(s["doc_id"], 0) + s["length"]
-    domain_of = {r["doc_id"]: r["domain"] for r in index}
-    per_domain: dict[str, int] = {}
-    for doc_id, n in realised.items():
-        per_domain[domain_of[doc_id]] = per_domain.get(domain_of[doc_id], 0) + n
+    per_domain = _per_domain(all_segments, index)
     return {
-        "seed": seed, "seq_len": seq_len, "train_sequences": len(rows), "train_tokens": len(rows) * (seq_len + 1),
-        "train_tokens_per_domain": dict(sorted(per_domain.items())), "plan": plan,
+        "seed": seed, "batch_size": batch_size, "seq_len": last, "train_sequences": len(all_rows),
+        "train_tokens": sum(p["tokens"] for p in plan), "train_tokens_per_domain": per_domain, "phases": plan,
+        "plan": {d: {"documents": len(train[d]), "training_tokens_available": domain_tokens[d], "epochs": s.epochs,
+                     "tokens": per_domain.get(d, 0)} for d, s in domains.items()},
         "heldout_documents": {d: len(v) for d, v in sorted(heldout.items())},
         "heldout_sequences": {d: ho_domains.count(d) for d in sorted(heldout)},
         "heldout_doc_ids": {d: sorted(v) for d, v in sorted(heldout.items())},
     }
 
 
+def _per_domain(segments: list[list[dict]], index: list[dict]) -> dict[str, int]:
+    domain_of = {r["doc_id"]: r["domain"] for r in index}
+    out: dict[str, int] = {}
+    for segs in segments:
+        for s in segs:
+            out[domain_of[s["doc_id"]]] = out.get(domain_of[s["doc_id"]], 0) + s["length"]
+    return dict(sorted(out.items()))
+
+
 def read(path: Path) -> pa.Table:
     with pa.memory_map(str(path)) as src:
-        return pa.ipc.open_file(src).read_all()
+        return pa.ipc.open_stream(src).read_all()
 
 
 def segments_of(path: Path, doc_id: str) -> list[dict]:
