@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test bench
+.PHONY: setup run test chaos bench
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest
 
+
+# fault tolerance: SIGKILL inside each stage (two seeds each), rerun, compare with an uninterrupted run
+chaos: setup
+	$(BIN)/moeflow fetch smoke
+	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

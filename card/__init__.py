@@ -194,15 +194,16 @@ def _limitations(graph: dict[str, dict]) -> list[str]:
     """Limits read from the data: languages kept and removed, domains present and missing, size, checks."""
     ts, fil, mix = graph["train"]["stats"], graph["filter"], graph["mix"]["stats"]
     langs = fil["config"].get("languages")
-    removed: dict[str, int] = {}
+    removed = []  # (count, what)
     for key, n in fil["stats"]["fates"].items():
         if key.startswith("dropped:language."):
-            lang = key.removeprefix("dropped:language.").removesuffix("_uncertain")
-            removed[lang] = removed.get(lang, 0) + n
+            lang = key.removeprefix("dropped:language.")
+            removed.append((n, f"`{lang.removesuffix('_uncertain')}` below the threshold" if lang.endswith("_uncertain")
+                            else f"`{lang}`"))
     if langs:
         lang_line = (f"- Languages: {', '.join(langs)} only. The language filter (fastText lid.176, probability >= "
                      f"{fil['config']['language_threshold']}) removed "
-                     + (", ".join(f"{n} documents identified as `{k}`" for k, n in sorted(removed.items(), key=lambda x: -x[1]))
+                     + (", ".join(f"{n} identified as {what}" for n, what in sorted(removed, key=lambda x: (-x[0], x[1])))
                         or "no documents") + "; text in other languages is out of distribution.")
     else:
         lang_line = "- Languages: not identified (no language filter in this run); the card cannot say which are present."
@@ -224,13 +225,14 @@ def _limitations(graph: dict[str, dict]) -> list[str]:
 def _filter_section(stats: dict) -> list[str]:
     if "by_source" not in stats:
         return []
-    reasons = sorted({k for c in stats["by_source"].values() for k in c if k.startswith("dropped:")})
-    rows = [[src, c.get("kept", 0), c.get("kept:rewritten", 0), *(c.get(r, 0) for r in reasons)]
+    rows = [[src, c.get("kept", 0), c.get("kept:rewritten", 0),
+             ", ".join(f"{k.removeprefix('dropped:')} {n}" for k, n in sorted(c.items(), key=lambda x: (-x[1], x[0]))
+                       if k.startswith("dropped:")) or "none"]
             for src, c in sorted(stats["by_source"].items())]
     return ["", "### Filter decisions per source", "",
             "Documents kept, kept after a rewrite (C4 removes lines), and dropped per filter step and reason "
-            "(`step.reason`, datatrove's reason strings for its blocks).", "",
-            _table(["source", "kept", "of which rewritten", *(r.removeprefix("dropped:") for r in reasons)], rows)]
+            "(`step.reason`, datatrove's reason strings for its blocks), most frequent first.", "",
+            _table(["source", "kept", "of which rewritten", "dropped (step.reason count)"], rows)]
 
 
 def _dedup_section(stats: dict) -> list[str]:

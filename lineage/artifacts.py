@@ -9,12 +9,15 @@ manifest is never read.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +98,19 @@ class Store:
         if not (folder / MANIFEST).exists():
             return None
         return Manifest.read(folder)
+
+    @contextlib.contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Hold the artifact's build lock (an advisory `flock`, released when the holder dies): two runs
+        that need the same artifact build it once; the second waits, then finds it in the store."""
+        path = self.root / stage / f".{stage}-{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def staging(self, stage: str) -> Path:
         parent = self.root / stage

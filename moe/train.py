@@ -75,11 +75,12 @@ class Sequences:
 
     def rows(self, a: int, b: int) -> np.ndarray:
         """Rows a..b-1 as an int64 array [rows, length]; they must share a length (a step stays in one phase)."""
-        widths = np.diff(self.offsets[a : b + 1])
-        if len(set(widths.tolist())) != 1:
-            raise ValueError(f"rows {a}..{b - 1} mix sequence lengths {sorted(set(widths.tolist()))}: "
-                             "a batch must not cross a phase boundary")
-        return self.values[self.offsets[a] : self.offsets[b]].astype(np.int64).reshape(b - a, int(widths[0]))
+        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        width = int(self.offsets[a + 1] - lo)
+        if hi - lo != width * (b - a) or self.phase[a] != self.phase[b - 1]:
+            widths = sorted(set(np.diff(self.offsets[a : b + 1]).tolist()))
+            raise ValueError(f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary")
+        return self.values[lo:hi].astype(np.int64).reshape(b - a, width)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

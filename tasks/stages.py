@@ -4,13 +4,15 @@ A stage is a plain function `body(cfg, inputs, out) -> stats` living in its own 
 gets its content-hash key (stage, code version, the config fields it reads, input content hashes),
 a staging folder, a `lineage.json`, and a Prefect task whose `cache_key_fn` returns the same key
 with persisted results, so a cached stage is not even started. Inside the task the store is
-checked again, so a wiped Prefect result folder costs nothing either.
+checked again, so a wiped Prefect result folder costs nothing either. A record stage (`filter`) runs
+as shards submitted concurrently, each cached as its own artifact, then joined by its `merge`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.task_runners import ProcessPoolTaskRunner
 from prefect.cache_policies import CacheKeyFnPolicy
 
 from moeflow import card, filters, ingest
@@ -189,6 +192,20 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
     if existing is not None and not force:
         log.info("%s: reusing %s", name, existing.path)
         return existing
+    with store.lock(name, key):  # a concurrent run building the same artifact: wait for it, then reuse
+        existing = store.get(name, key)
+        if existing is not None and not force:
+            log.info("%s: reusing %s (built by a concurrent run)", name, existing.path)
+            return existing
+        manifest = _build(stage, name, key, store, cfg, inputs, shard, parts)
+    openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
+    log.info("%s: wrote %s", name, manifest.path)
+    return manifest
+
+
+def _build(stage: Stage, name: str, key: str, store: Store, cfg: RunConfig, inputs: Inputs,
+           shard: tuple[int, int] | None, parts: list[Manifest] | None) -> Manifest:
+    """Verify the inputs, run the stage body in a staging folder, and commit the artifact atomically."""
     for manifest in [m for _, m in sorted(inputs.items())] + list(parts or []):  # a flipped byte or a cut
         manifest.verify()  # file upstream fails here, named
     tmp = store.staging(name)
@@ -228,8 +245,6 @@ def materialize(stage_name: str, cfg: RunConfig, inputs: Inputs, *, force: bool 
         raise
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
-    openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
-    log.info("%s: wrote %s", name, manifest.path)
     return manifest
 
 
@@ -284,11 +299,16 @@ class Pipeline:
         n = st.shards(cfg) if st.shards else 1
         if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
             return None
-        futures = [task_.with_options(task_run_name=f"{label}[{r}/{n}]").submit(stage, cfg, inputs, force=force, shard=(r, n))
-                   for r in range(n)]
+        # Processes, not threads: the filters hold the GIL, and spaCy's tokenizer (datatrove's word
+        # splitter) corrupts its vocabulary when two threads share it.
+        with ProcessPoolTaskRunner(max_workers=min(n, os.cpu_count() or 1)) as runner:
+            futures = [runner.submit(task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
+                                     {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force, "shard": (r, n)})
+                       for r in range(n)]
+            for future in futures:
+                future.wait()
         parts = []
         for r, future in enumerate(futures):
-            future.wait()
             retry = task_.with_options(refresh_cache=True, task_run_name=f"{label}[{r}/{n}]")
             parts.append(self._record(f"{label}[{r}/{n}]", future.state,
                                       lambda r=r, retry=retry: retry(stage, cfg, inputs, shard=(r, n), return_state=True)))

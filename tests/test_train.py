@@ -60,6 +60,23 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_two_phase_mix_trains_and_resumes_across_the_boundary(data, tmp_path):
+    """Steps 1-6 read 16-token sequences (phase 0), steps 7-12 32-token ones; a kill after step 10 resumes from 8."""
+    rng = np.random.default_rng(1)
+    rows = [(np.arange(17 if i < 24 else 33) * rng.integers(1, 7) + rng.integers(0, 50)) % 300 for i in range(48)]
+    phased = tmp_path / "phased"
+    phased.mkdir()
+    mix._write(phased / "train.arrow", rows, [[] for _ in rows], None, 300, phases=[0] * 24 + [1] * 24)
+    (phased / tokenizer.TOKENIZER).write_bytes((data / tokenizer.TOKENIZER).read_bytes())
+    whole = _train(phased, tmp_path / "whole")
+    assert whole["phases"] == [{"phase": 0, "start_step": 0, "seq_len": 16}, {"phase": 1, "start_step": 6, "seq_len": 32}]
+    assert whole["tokens"] == 4 * (6 * 16 + 6 * 32)
+    with pytest.raises(train.StopTraining):
+        _train(phased, tmp_path / "attempt1", work=tmp_path / "work", stop_after=10)
+    resumed = _train(phased, tmp_path / "attempt2", work=tmp_path / "work")
+    assert resumed["resumed_from_step"] == 8 and _curve(tmp_path / "attempt2") == _curve(tmp_path / "whole")
+
+
 def test_reference_loss_curve_for_a_fixed_seed(data, tmp_path):
     _train(data, tmp_path, cfg={"steps": 20})
     curve = [round(ce, 4) for _, ce, _ in _curve(tmp_path)]

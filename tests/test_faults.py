@@ -1,0 +1,133 @@
+"""Fault tolerance: concurrent runs build each artifact once; SIGKILL inside a stage, then a rerun, gives
+the uninterrupted run's artifacts; two cold runs give identical data, token and model artifacts.
+
+Runs are real `moeflow run` processes against the session's Prefect server. The kill tests are marked
+`chaos` (slow): `make chaos` runs them, `make test` leaves them out.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import write_config
+
+CHAOS_STAGES = ("ingest", "filter", "dedup", "decontaminate", "tokenize", "mix", "train")
+DETERMINISTIC = ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize", "overlap", "mix",
+                 "evaluate")
+
+
+def _start(config: Path, *args: str) -> subprocess.Popen:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    return subprocess.Popen([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())",
+                             "run", str(config), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _artifacts(store: Path) -> dict[str, list[dict]]:
+    """stage -> the lineage of every artifact of it in the store."""
+    return {p.name: [json.loads(f.read_text()) for f in sorted(p.glob(f"{p.name}-*/lineage.json"))]
+            for p in sorted(store.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+
+
+def _content(store: Path) -> dict[str, str]:
+    """stage -> content hash of the latest run's artifact of it."""
+    latest = max((store / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    return {k: v["content_hash"] for k, v in json.loads(latest.read_text())["stages"].items() if "[" not in k}
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_server, smoke_data, tmp_path_factory):
+    """An uninterrupted cold run of the smoke preset (in a process, like the runs it is compared with)."""
+    store = tmp_path_factory.mktemp("reference")
+    config = write_config(tmp_path_factory.mktemp("cfg") / "smoke.yaml", store=str(store))
+    _finish(_start(config))
+    return store
+
+
+def test_two_concurrent_runs_build_each_artifact_once(reference, tmp_path):
+    store = tmp_path / "store"
+    config = write_config(tmp_path / "smoke.yaml", store=str(store))
+    runs = [_start(config, "--until", "tokenize"), _start(config, "--until", "tokenize")]
+    for run in runs:
+        _finish(run)
+    built = _artifacts(store)
+    for stage in ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize"):
+        assert len(built[stage]) == 1, stage
+    events = [json.loads(line) for line in (store / "openlineage" / "events.jsonl").read_text().splitlines()]
+    completed = [e["job"]["name"] for e in events if e["eventType"] == "COMPLETE"]
+    assert sorted(completed) == sorted(set(completed))  # no stage completed twice
+    assert {k: v for k, v in _content(store).items()} == {k: v for k, v in _content(reference).items()
+                                                          if k in _content(store)}
+
+
+def _comparable(store: Path) -> dict:
+    """What must equal between runs: the content hashes of the deterministic stages, and train's weights,
+    model config and loss curve (its artifact also holds timings: tokens/s, TensorBoard event files)."""
+    latest = max((store / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    stages = json.loads(latest.read_text())["stages"]
+    folder = Path(stages["train"]["artifact"])
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    curve = [(r["step"], r["ce"], r["grad_norm"]) for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+    return {**{s: stages[s]["content_hash"] for s in DETERMINISTIC},
+            "train weights": files["model.safetensors"]["xxh3"], "train config": files["model_config.json"]["xxh3"],
+            "train curve": curve}
+
+
+def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
+    store = tmp_path / "store"
+    _finish(_start(write_config(tmp_path / "smoke.yaml", store=str(store))))
+    assert _comparable(store) == _comparable(reference)
+
+
+def _kill_inside(proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300) -> bool:
+    """SIGKILL the run's process group at a random moment once `stage` is building; False if it never was."""
+    folder = store / stage
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if folder.exists() and any(p.name.startswith(f".{stage}-") and not p.name.endswith(".lock")
+                                   for p in folder.iterdir()):
+            time.sleep(rng.uniform(0, 1.0))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    return False
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("stage", CHAOS_STAGES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, tmp_path, stage, seed):
+    store = tmp_path / "store"
+    config = write_config(tmp_path / "smoke.yaml", store=str(store))
+    killed = _kill_inside(_start(config), store, stage, random.Random(seed))
+    assert killed, f"the run never reached {stage}"
+    before = {s: [a["artifact"]["hash"] for a in arts] for s, arts in _artifacts(store).items()}
+    for arts in _artifacts(store).values():  # nothing half-written was published
+        for a in arts:
+            manifest = store / a["stage"] / f"{a['stage']}-{a['artifact']['hash']}" / "manifest.json"
+            assert manifest.exists()
+    _finish(_start(config))
+    assert _comparable(store) == _comparable(reference)
+    latest = max((store / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    summary = json.loads(latest.read_text())["stages"]
+    for s, hashes in before.items():  # finished stages were reused, not redone
+        if s in summary and summary[s]["hash"] in hashes:
+            assert summary[s]["reused"], s
