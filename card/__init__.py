@@ -19,6 +19,7 @@ from moeflow.card import plots
 VERSION = 8
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
+RUN_RECORD = "## Run record (differs between runs)"
 
 
 def collect(roots: list[Path]) -> dict[str, dict]:
@@ -158,10 +159,8 @@ def render_card(graph: dict[str, dict]) -> str:
                 f"{sum(ph['steps'] * mix['batch_size'] * ph['seq_len'] for ph in mix['phases']):,}"],
                ["batch size", ts["batch_size"]],
                ["initial loss (mean of first 10 steps)", ts["initial_loss"]],
-               ["final loss (mean of last 10 steps)", ts["final_loss"]], ["tokens/s", ts["tokens_per_s"]],
+               ["final loss (mean of last 10 steps)", ts["final_loss"]],
                ["schedule", f"{ts.get('schedule', 'cosine')}, {ts.get('precision', 'fp32')}"],
-               ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
-               ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
                ["resumes", (", ".join(f"from step {r['from_step']}" for r in ts.get("resumes", [])) or "none")
                 + " (a resume continues the same config: checkpoints live in a folder keyed by the train stage's "
                   "config hash, so a changed config starts a new run and a new artifact)"],
@@ -182,10 +181,20 @@ def render_card(graph: dict[str, dict]) -> str:
            _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
                   [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),
            "", "## Limitations and intended use", "", *_limitations(graph), "",
-           "## Lineage", "",
-           _table(["stage", "artifact", "content hash", "Prefect task run", "seconds"],
+           RUN_RECORD, "",
+           "Everything in this card that differs between two runs of the same config is in this section: "
+           "timings, times, Prefect run ids, and the content hashes of artifacts that keep timings (`train` "
+           "keeps its tokens/s and TensorBoard event files; the card and report contain this section). "
+           "Everything above it is reproducible.", "",
+           _table(["field", "value"], [
+               ["tokens/s (median step)", ts["tokens_per_s"]], ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
+               ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
+               ["training seconds", ts.get("train_seconds", "-")],
+               *([["ladder prediction registered at", graph["ladder"]["stats"]["registered_at"]],
+                  ["target run started at", train["started_at"]]] if "ladder" in graph else [])]), "",
+           _table(["stage", "artifact", "content hash", "Prefect task run", "finished at", "seconds"],
                   [[st, f"{st}-{r['artifact']['hash']}", r["artifact"]["content_hash"],
-                    r["prefect"].get("task_run_id", "-"), r["seconds"]] for st, r in graph.items()]),
+                    r["prefect"].get("task_run_id", "-"), r["finished_at"], r["seconds"]] for st, r in graph.items()]),
            "", "See `lineage_report.md` for every stage's config, inputs and statistics.", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
 
@@ -265,7 +274,7 @@ def _ladder_section(lad: dict, ts: dict) -> list[str]:
             f"{len(p['rungs'])} rungs of the same recipe used {p['ladder_fraction']:.1%} of the target run's training FLOPs. "
             f"Fit L(C) = E + A (C / C_target)^-alpha: E = {fit['E']:.4g}, A = {fit['A']:.4g}, alpha = {fit['alpha']:.4g} "
             f"(residual RMS {fit['residual_rms']:.4g}; band from {fit['bootstrap_fits']} bootstrap refits). "
-            f"Registered at {p['registered_at']} in `ladder-{lad['artifact']['hash']}`, before the target run started.", "",
+            f"Registered in `ladder-{lad['artifact']['hash']}` before the target run started (the time is in the run record).", "",
             _table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss"],
                    [[i, r["d_model"], r["n_layers"], f"{r['params_active']:,}", r["steps"], f"{r['flops']:.3g}",
                      r["final_loss"]] for i, r in enumerate(p["rungs"])]),

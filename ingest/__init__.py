@@ -10,7 +10,6 @@ from __future__ import annotations
 import fnmatch
 import glob
 import gzip
-import io
 import json
 import logging
 from collections.abc import Iterator
@@ -103,25 +102,61 @@ def resolve_sources_list(sources) -> list[ResolvedSource]:
     return [r for r in (resolve_source(s) for s in sources) if r is not None]
 
 
-def _open_bytes(path: Path) -> bytes:
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        return gzip.decompress(raw)
-    if path.suffix == ".zst":
-        return _unzstd(raw)
-    return raw
+CHUNK = 1 << 20
+READ_ERRORS = (OSError, EOFError, zstandard.ZstdError, gzip.BadGzipFile)
 
 
-def _unzstd(raw: bytes) -> bytes:
-    """Decompress every frame; a file cut inside a frame raises EOFError (a stream reader would not notice)."""
-    parts, rest = [], raw
-    while rest:
-        d = zstandard.ZstdDecompressor().decompressobj()
-        parts.append(d.decompress(rest))
-        if not d.eof:
-            raise EOFError("truncated zstd file: its last frame is incomplete")
-        rest = d.unused_data
+def _chunks(path: Path) -> Iterator[bytes]:
+    """A file's decompressed bytes (by extension: .gz, .zst, else raw) in chunks of about 1 MB, so no
+    source file is ever held whole. A file cut inside a zstd frame raises EOFError (zstandard's stream
+    reader would end quietly); gzip raises EOFError itself."""
+    with open(path, "rb") as f:
+        if path.suffix == ".gz":
+            with gzip.open(f) as g:
+                while chunk := g.read(CHUNK):
+                    yield chunk
+        elif path.suffix == ".zst":
+            d, open_frame = zstandard.ZstdDecompressor().decompressobj(), False
+            while raw := f.read(CHUNK):
+                while raw:
+                    out = d.decompress(raw)
+                    open_frame = True
+                    if out:
+                        yield out
+                    if d.eof:  # a frame ended: the rest starts the next one
+                        raw, open_frame = d.unused_data, False
+                        d = zstandard.ZstdDecompressor().decompressobj()
+                    else:
+                        raw = b""
+            if open_frame:
+                raise EOFError("truncated zstd file: its last frame is incomplete")
+        else:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+
+def _read_limited(path: Path, limit: int) -> bytes | None:
+    """The whole (decompressed) file, or None as soon as it exceeds `limit` bytes."""
+    if path.suffix not in (".gz", ".zst") and path.stat().st_size > limit:
+        return None
+    parts, size = [], 0
+    for chunk in _chunks(path):
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
     return b"".join(parts)
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Complete lines of a chunk stream; a read error mid-file propagates after the lines before it."""
+    rest = b""
+    for chunk in chunks:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
 
 
 class Quarantine(Exception):
@@ -147,50 +182,64 @@ def _text(src: SourceConfig, value) -> str:
 
 
 def _records(rs: ResolvedSource) -> Iterator[tuple[str, Path, str | None, Quarantine | None]]:
-    """(doc id, file, text, quarantine) for every record of a source, bad ones included."""
+    """(doc id, file, text, quarantine) for every record of a source, bad ones included; files are streamed."""
     src = rs.config
     emitted = 0
     for path in rs.files:
         rel = path.relative_to(rs.root).as_posix()
         base = f"{src.name}/{rel}"
-        try:
-            raw = _open_bytes(path)
-        except (OSError, EOFError, zstandard.ZstdError, gzip.BadGzipFile) as e:
-            yield base, path, None, Quarantine("unreadable_file", f"{type(e).__name__}: {e}")
-            continue
         if src.format == Format.text:
             try:
+                raw = _read_limited(path, src.max_doc_bytes)
+                if raw is None:
+                    raise Quarantine("too_large", f"over the source's max_doc_bytes ({src.max_doc_bytes:,})")
                 yield base, path, _text(src, raw.decode("utf-8")), None
+            except READ_ERRORS as e:
+                yield base, path, None, Quarantine("unreadable_file", f"{type(e).__name__}: {e}")
             except UnicodeDecodeError as e:
                 yield base, path, None, Quarantine("invalid_utf8", f"byte {e.start}: {e.reason}")
             except Quarantine as q:
                 yield base, path, None, q
             continue
-        if src.format == Format.parquet:
-            table = pq.read_table(io.BytesIO(raw))
-            rows = ((i + 1, row) for i, row in enumerate(table.to_pylist()))
-        else:
-            rows = _jsonl_rows(raw)
-        for line_no, row in rows:
-            if src.max_docs and emitted >= src.max_docs:
-                return
-            emitted += 1
-            doc_id = f"{base}#L{line_no}"
-            if isinstance(row, Quarantine):
-                yield doc_id, path, None, row
-                continue
-            if src.id_field and isinstance(row, dict) and row.get(src.id_field) is not None:
-                doc_id = f"{src.name}/{row[src.id_field]}"
-            try:
-                if not isinstance(row, dict):
-                    raise Quarantine("not_an_object", f"line {line_no} is a JSON {type(row).__name__}, not an object")
-                yield doc_id, path, _text(src, row.get(src.text_field)), None
-            except Quarantine as q:
-                yield doc_id, path, None, q
+        rows = _parquet_rows(path) if src.format == Format.parquet else _jsonl_rows(_lines(_chunks(path)))
+        read = 0
+        try:
+            for line_no, row in rows:
+                if src.max_docs and emitted >= src.max_docs:
+                    return
+                emitted += 1
+                read += 1
+                yield _record(src, base, path, line_no, row)
+        except READ_ERRORS as e:  # the records before the error are in; the rest of the file is quarantined
+            where = f"after {read} records" if read else "before any record"
+            yield base if not read else f"{base}#rest", path, None, Quarantine(
+                "unreadable_file", f"{type(e).__name__}: {e} ({where})")
 
 
-def _jsonl_rows(raw: bytes) -> Iterator[tuple[int, object]]:
-    for line_no, line in enumerate(raw.split(b"\n"), start=1):
+def _record(src: SourceConfig, base: str, path: Path, line_no: int, row) -> tuple[str, Path, str | None, Quarantine | None]:
+    doc_id = f"{base}#L{line_no}"
+    if isinstance(row, Quarantine):
+        return doc_id, path, None, row
+    if src.id_field and isinstance(row, dict) and row.get(src.id_field) is not None:
+        doc_id = f"{src.name}/{row[src.id_field]}"
+    try:
+        if not isinstance(row, dict):
+            raise Quarantine("not_an_object", f"line {line_no} is a JSON {type(row).__name__}, not an object")
+        return doc_id, path, _text(src, row.get(src.text_field)), None
+    except Quarantine as q:
+        return doc_id, path, None, q
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
+
+
+def _jsonl_rows(lines: Iterator[bytes]) -> Iterator[tuple[int, object]]:
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:

@@ -10,6 +10,7 @@ as shards submitted concurrently, each cached as its own artifact, then joined b
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,10 @@ from moeflow.tokenize import mix, store as token_store, tokenizer
 
 log = logging.getLogger(__name__)
 Inputs = dict[str, Manifest]
+
+
+class StoreFull(OSError):
+    """A stage could not write its artifact: the disk (or the file-size limit) is full; nothing was published."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,13 @@ def _build(stage: Stage, name: str, key: str, store: Store, cfg: RunConfig, inpu
             lineage["shards"] = [{"hash": m.hash, "content_hash": m.content_hash,
                                   "path": Path(m.path).relative_to(store.root).as_posix()} for m in parts]
         manifest = store.commit(name, key, tmp, stats, lineage)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise StoreFull(f"{name}: the artifact store ran out of space ({e.strerror}: {e.filename or tmp}); "
+                            f"nothing was published. Free space under {store.root} (or set MOEFLOW_STORE to a "
+                            f"larger disk) and run again: finished stages are reused.") from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

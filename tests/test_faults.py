@@ -92,6 +92,15 @@ def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
     store = tmp_path / "store"
     _finish(_start(write_config(tmp_path / "smoke.yaml", store=str(store))))
     assert _comparable(store) == _comparable(reference)
+    from moeflow.card import RUN_RECORD
+
+    cards = []
+    for root in (store, reference):
+        latest = max((root / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+        text = Path(json.loads(latest.read_text())["card"]).read_text()
+        assert text.count(RUN_RECORD) == 1
+        cards.append(text.split(RUN_RECORD)[0])  # what differs between runs is kept below this heading
+    assert cards[0] == cards[1]
 
 
 def _kill_inside(proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300) -> bool:
@@ -131,3 +140,51 @@ def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, t
     for s, hashes in before.items():  # finished stages were reused, not redone
         if s in summary and summary[s]["hash"] in hashes:
             assert summary[s]["reused"], s
+
+
+def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_path):
+    """Each artifact of the reference run, copied twice: one file gets a flipped byte, another is cut in half."""
+    import shutil
+
+    from moeflow.lineage.artifacts import ArtifactError, Manifest
+
+    caught = 0
+    for stage, arts in _artifacts(reference).items():
+        for a in arts:
+            folder = reference / a["stage"] / f"{a['stage']}-{a['artifact']['hash']}"
+            files = sorted(p for p, meta in Manifest.read(folder).files.items() if meta["bytes"] > 1)
+            for i, how in enumerate(("flip", "cut")):
+                copy = tmp_path / f"{folder.name}-{how}"
+                shutil.copytree(folder, copy)
+                victim = copy / files[i % len(files)]
+                data = bytearray(victim.read_bytes())
+                if how == "flip":
+                    data[len(data) // 2] ^= 0x01
+                else:
+                    data = data[: len(data) // 2]
+                victim.write_bytes(bytes(data))
+                with pytest.raises(ArtifactError, match=rf"{victim.name}.*--rerun {stage.removesuffix('.shard')}"):
+                    Manifest.read(copy).verify()
+                caught += 1
+    assert caught >= 2 * len(DETERMINISTIC)
+
+
+def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk (no mount needed): writes past 64 KB fail with EFBIG."""
+    import resource
+
+    store = tmp_path / "store"
+    config = write_config(tmp_path / "smoke.yaml", store=str(store))
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    from prefect.settings import PREFECT_API_URL
+
+    proc = subprocess.run([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run",
+                           str(config), "--until", "ingest"], env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                          capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert proc.returncode != 0
+    assert "ingest: the artifact store ran out of space" in proc.stdout + proc.stderr
+    assert not [p for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")]  # no artifact, no staging
