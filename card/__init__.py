@@ -110,7 +110,9 @@ def render_card(graph: dict[str, dict]) -> str:
                ["layers", model_cfg["n_layers"]], ["d_model", model_cfg["d_model"]], ["heads", model_cfg["n_heads"]],
                ["experts", model_cfg["num_experts"]], ["top-k", model_cfg["top_k"]],
                ["expert hidden", model_cfg["expert_hidden"]], ["shared expert hidden", model_cfg["shared_expert_hidden"]],
-               ["routing", "dropless (no token dropped)"], ["backend", model_cfg["backend"]],
+               ["routing", "dropless (no token dropped)" if model_cfg.get("capacity_factor") is None else
+                f"capacity factor {model_cfg['capacity_factor']} (tokens over an expert's capacity are dropped; "
+                f"mean drop rate {ts['token_drop_rate']})"], ["backend", model_cfg["backend"]],
                ["context length", ", ".join(f"{ph['seq_len']} ({ph['name']})" for ph in mix["phases"])],
                ["vocabulary", ts["vocab_size"]],
                ["tokenizer", graph["tokenizer"]["stats"]["kind"]]]),
@@ -178,8 +180,14 @@ def render_card(graph: dict[str, dict]) -> str:
                ["alarms", _alarms(ts.get("alarms", []))]]),
            *(_ladder_section(graph["ladder"], ts) if "ladder" in graph else []),
            "", "## Evaluation", "",
-           _table(["domain", "held-out loss", "perplexity", "sequences", "tokens"],
-                  [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"]] for d, r in sorted(heldout.items())]),
+           f"Held-out documents (chosen by a hash of their id, never trained on) of each domain, packed at the last "
+           f"phase's context length. Checkpoint: the final one of `train-{train['artifact']['hash']}` (step {ts['steps']}); "
+           f"evaluation code: `evaluate` stage version {ev['version']}, commit `{ev['code']['commit']}`. "
+           f"Contamination: the held-out documents passed the same {bench['ngram']}-gram decontamination as the "
+           f"training data, against {len(bench['benchmarks'])} benchmarks (above).", "",
+           _table(["domain", "held-out loss", "perplexity", "sequences", "tokens", "documents", "decontaminated"],
+                  [[d, r["loss"], r["perplexity"], r["sequences"], r["tokens"], mix["heldout_documents"].get(d, 0), "yes"]
+                   for d, r in sorted(heldout.items())]),
            "", "## Limitations and intended use", "", *_limitations(graph), "",
            RUN_RECORD, "",
            "Everything in this card that differs between two runs of the same config is in this section: "

@@ -35,10 +35,12 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     shards = run("tokenize", docs=docs, tokenizer=tok)
     leftover = run("overlap", shards=shards, tokenizer=tok, index=index)
     mixed = run("mix", shards=shards, tokenizer=tok)
-    prediction = ladder(run, cfg, mixed, tok) if cfg.ladder and mixed else None  # registered before train starts
+    prediction = ladder(run, cfg, mixed, shards, tok) if cfg.ladder and mixed else None  # registered before train
     model = run("train", mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
     evals = run("evaluate", model=model, mix=mixed)
-    card = run("card", evaluate=evals, overlap=leftover)
+    # the card reads the whole graph: its key follows train too (whose bytes change whenever it reruns),
+    # not only evaluate, whose bytes stay the same when, say, only the ladder changed
+    card = run("card", evaluate=evals, overlap=leftover, model=model)
 
     summary = {"config": cfg.name, "store": str(cfg.store_path()), "stages": run.stages,
                "card": str(card.dir / "README.md") if card else None}
@@ -48,13 +50,16 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
 
 
 @flow(name="ladder", validate_parameters=False)
-def ladder(run: Pipeline, cfg, mixed, tok):
-    """The scaling ladder (a subflow): each rung a cached training task on a prefix of the mix, then the fit."""
+def ladder(run: Pipeline, cfg, mixed, shards, tok):
+    """The scaling ladder (a subflow): each rung a cached training task, on its own mix of the whole
+    curriculum (`rung_mix`) or on a prefix of the target's mix; then the fit."""
     vocab = tokenizer.load(tok.dir).get_vocab_size()
     rungs = {}
     for i, rung in enumerate(moe_ladder.plan(cfg, vocab)):
         rung_cfg = cfg.model_copy(update={"model": rung["model"], "train": rung["train"]})
-        rungs[f"rung{i}"] = run("rung", cfg=rung_cfg, label=f"rung{i}", mix=mixed, tokenizer=tok)
+        rung_mix = (run("rung_mix", cfg=rung_cfg, label=f"rung_mix{i}", shards=shards, tokenizer=tok)
+                    if rung["own_mix"] else mixed)
+        rungs[f"rung{i}"] = run("rung", cfg=rung_cfg, label=f"rung{i}", mix=rung_mix, tokenizer=tok)
     return run("ladder", tokenizer=tok, **rungs)
 
 

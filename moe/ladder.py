@@ -70,23 +70,38 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     target_flops, _ = flops(cfg.model, cfg.train, vocab, phases)
     layers = lad.layers or (cfg.model.n_layers,) * len(lad.widths)
     models = [_model(cfg.model, w, n) for w, n in zip(lad.widths, layers)]
-    seq0 = phases[0][1]  # a rung trains on a prefix of the mix, through its phases
+    longest = max(s for _, s in phases)
+    # With a curriculum given in fractions, each rung runs all of it on its own mix (the phases keep their
+    # shares of the rung's steps); otherwise a rung trains on a prefix of the target's mix.
+    own_mix = own_curriculum(cfg)
+    shares = [(n / cfg.train.steps, s) for n, s in phases] if own_mix else [(1.0, phases[0][1])]
+    tokens_per_step = cfg.train.batch_size * sum(f * s for f, s in shares)
     per_token = []
     for m in models:
-        t = Transformer(m, vocab, max(s for _, s in phases))
-        per_token.append((t.flops_per_token(seq0), t.num_params()["active"]))
+        t = Transformer(m, vocab, longest)
+        fpt = sum(f * s * t.flops_per_token(s) for f, s in shares) / sum(f * s for f, s in shares)
+        per_token.append((fpt, t.num_params()["active"], t))
     # tokens_r = k * N_r, with sum_r fpt_r * k * N_r = fraction * target FLOPs
-    k = lad.budget_fraction * target_flops / sum(f * n for f, n in per_token)
+    k = lad.budget_fraction * target_flops / sum(f * n for f, n, _ in per_token)
     rungs = []
-    for m, (fpt, n) in zip(models, per_token):
-        t = Transformer(m, vocab, max(s for _, s in phases))
-        steps = max(lad.min_steps, _steps_for(fpt * k * n, t, cfg.train.batch_size, phases))
+    for m, (fpt, n, t) in zip(models, per_token):
+        if own_mix:
+            steps = max(lad.min_steps, round(k * n / tokens_per_step))
+        else:
+            steps = max(lad.min_steps, _steps_for(fpt * k * n, t, cfg.train.batch_size, phases))
         train = cfg.train.model_copy(update={
             "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
             "checkpoint_every": steps})
-        rung_flops, _ = flops(m, train, vocab, _prefix(phases, steps))
-        rungs.append({"model": m, "train": train, "flops": rung_flops, "params_active": n})
+        rung_phases = ([(p.steps, p.seq_len) for p in cfg.model_copy(update={"train": train}).phases()] if own_mix
+                       else _prefix(phases, steps))
+        rung_flops, _ = flops(m, train, vocab, rung_phases)
+        rungs.append({"model": m, "train": train, "flops": rung_flops, "params_active": n, "own_mix": own_mix})
     return rungs
+
+
+def own_curriculum(cfg: RunConfig) -> bool:
+    """Whether rungs run the whole curriculum on their own mixes (phases given as fractions, or none)."""
+    return len(cfg.mix.phases) > 1 and all(p.tokens is None for p in cfg.mix.phases)
 
 
 def _steps_for(budget: float, model: Transformer, batch_size: int, phases: list[tuple[int, int]]) -> int:

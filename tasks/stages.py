@@ -147,6 +147,10 @@ STAGES: dict[str, Stage] = {
               lambda c, i, o: token_store.run(c.tokenizer, i["docs"].dir, i["tokenizer"].dir, o)),
         Stage("mix", mix.VERSION,
               lambda c: {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}, _mix),
+        # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
+        # never takes a rung's mix for the target's)
+        Stage("rung_mix", mix.VERSION,
+              lambda c: {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}, _mix),
         Stage("rung", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed}, _train,
               resumable=True),
         Stage("ladder", ladder.VERSION, lambda c: {"ladder": c.ladder, "model": c.model, "train": c.train},

@@ -54,7 +54,11 @@ def test_card_reports_what_the_lineage_holds(cold):
                  f"| tokens | {ts['tokens']:,} |", f"| {ts['final_loss']} |", lineage["train"]["code"]["commit"]):
         assert fact in text
     for domain, r in lineage["evaluate"]["stats"]["heldout"].items():
-        assert f"| {domain} | {r['loss']} |" in text
+        assert f"| {domain} | {r['loss']} | {r['perplexity']} | {r['sequences']} | {r['tokens']} | " \
+               f"{lineage['mix']['stats']['heldout_documents'][domain]} | yes |" in text
+    assert (f"Checkpoint: the final one of `train-{lineage['train']['artifact']['hash']}` (step {ts['steps']}); "
+            f"evaluation code: `evaluate` stage version {lineage['evaluate']['version']}") in text
+    assert "| routing | dropless (no token dropped) |" in text
     phases = lineage["mix"]["stats"]["phases"]
     assert [p["name"] for p in phases] == ["short", "long"] and [p["phase"] for p in ts["phases"]] == [0, 1]
     for ph in phases:

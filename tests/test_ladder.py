@@ -57,8 +57,12 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
     path = write_config(tmp_path / "ladder.yaml", store=str(tmp_path / "store"),
                         ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 10})
     out = pretrain(config=str(path))
-    assert [k for k in out["stages"] if k.startswith("rung")] == ["rung0", "rung1", "rung2"]
+    assert [k for k in out["stages"] if k.startswith("rung")] == ["rung_mix0", "rung0", "rung_mix1", "rung1",
+                                                                   "rung_mix2", "rung2"]
     lin = {k: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for k, v in out["stages"].items()}
+    for i in range(3):  # each rung runs the whole two-phase curriculum on its own mix
+        assert lin[f"rung{i}"]["inputs"]["mix"]["hash"] == lin[f"rung_mix{i}"]["artifact"]["hash"]
+        assert [p["phase"] for p in lin[f"rung{i}"]["stats"]["phases"]] == [0, 1]
     assert lin["ladder"]["finished_at"] <= lin["train"]["started_at"]
     assert lin["train"]["inputs"]["prediction"]["hash"] == lin["ladder"]["artifact"]["hash"]
     prediction = json.loads((Path(out["stages"]["ladder"]["artifact"]) / "prediction.json").read_text())
