@@ -52,22 +52,28 @@ class DocWriter:
         self.close()
 
 
-def shard_groups(num_groups: int, shard: tuple[int, int]) -> range:
-    """The row groups of record shard `rank` of `world_size`: a contiguous range, so shards joined in
-    rank order give the input's order."""
+def shard_rows(num_rows: int, shard: tuple[int, int]) -> range:
+    """The rows of record shard `rank` of `world_size`: a contiguous range, so shards joined in rank
+    order give the input's order."""
     rank, world = shard
     if not 0 <= rank < world:
         raise ValueError(f"shard rank {rank} is not in [0, {world})")
-    return range(rank * num_groups // world, (rank + 1) * num_groups // world)
+    return range(rank * num_rows // world, (rank + 1) * num_rows // world)
 
 
 def iter_docs(folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1)) -> Iterator[dict]:
-    """Documents of a stage's output (or of one record shard of it), in stored order."""
+    """Documents of a stage's output (or of one record shard of it), in stored order, a row group at a time."""
     f = pq.ParquetFile(Path(folder) / DOCS)
-    for i in shard_groups(f.num_row_groups, shard):
-        yield from f.read_row_group(i, columns=columns).to_pylist()
+    rows = shard_rows(f.metadata.num_rows, shard)
+    start = 0
+    for i in range(f.num_row_groups):
+        n = f.metadata.row_group(i).num_rows
+        lo, hi = max(rows.start, start), min(rows.stop, start + n)
+        if lo < hi:
+            table = f.read_row_group(i, columns=columns)
+            yield from table.slice(lo - start, hi - lo).to_pylist()
+        start += n
 
 
 def count_docs(folder: Path, shard: tuple[int, int] = (0, 1)) -> int:
-    meta = pq.ParquetFile(Path(folder) / DOCS).metadata
-    return sum(meta.row_group(i).num_rows for i in shard_groups(meta.num_row_groups, shard))
+    return len(shard_rows(pq.ParquetFile(Path(folder) / DOCS).metadata.num_rows, shard))

@@ -312,6 +312,16 @@ class EvalConfig(Frozen):
     max_sequences_per_domain: int = Field(default=64, gt=0)
 
 
+class ExecutionConfig(Frozen):
+    """Where shard tasks run; never part of an artifact's key (the output is the same wherever it runs)."""
+
+    # processes: a local process pool (threads are not offered: the filters hold the GIL, and two threads
+    # sharing spaCy's tokenizer corrupt it); ray: a Ray cluster through prefect-ray's RayTaskRunner
+    runner: Literal["processes", "ray"] = "processes"
+    workers: int | None = Field(default=None, gt=0)  # processes, or CPUs of a local Ray; default: all cores
+    ray_address: str | None = None  # an existing cluster ("ray://host:10001", "auto"); None: start a local one
+
+
 class RunConfig(Frozen):
     name: str
     seed: int = 1234
@@ -327,6 +337,7 @@ class RunConfig(Frozen):
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
     ladder: LadderConfig | None = None  # set: a scaling ladder predicts the target run before it starts
+    execution: ExecutionConfig = ExecutionConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

