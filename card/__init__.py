@@ -16,7 +16,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
 
-VERSION = 8
+VERSION = 9
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 RUN_RECORD = "## Run record (differs between runs)"
