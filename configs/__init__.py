@@ -55,7 +55,6 @@ class BenchmarkConfig(Frozen):
     split: str = "test"
 
 
-FILTER_STEPS = ("language", "length", "gopher_repetition", "gopher_quality", "c4", "fineweb")
 # datatrove blocks whose keyword arguments a config passes through as they are
 DATATROVE_FILTERS = {"gopher_quality": "GopherQualityFilter", "c4": "C4QualityFilter", "fineweb": "FineWebQualityFilter"}
 

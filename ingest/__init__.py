@@ -150,13 +150,17 @@ def _read_limited(path: Path, limit: int) -> bytes | None:
 
 def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
     """Complete lines of a chunk stream; a read error mid-file propagates after the lines before it."""
-    rest = b""
+    pending: list[bytes] = []  # the current line's pieces (a long line spans many chunks)
     for chunk in chunks:
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield from lines
-    if rest:
-        yield rest
+        parts = chunk.split(b"\n")
+        if len(parts) > 1:
+            yield b"".join(pending) + parts[0]
+            yield from parts[1:-1]
+            pending = []
+        pending.append(parts[-1])
+    tail = b"".join(pending)
+    if tail:
+        yield tail
 
 
 class Quarantine(Exception):

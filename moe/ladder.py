@@ -100,7 +100,8 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
 
 
 def own_curriculum(cfg: RunConfig) -> bool:
-    """Whether rungs run the whole curriculum on their own mixes (phases given as fractions, or none)."""
+    """Whether rungs run the whole curriculum on their own mixes: two or more phases, none given in tokens
+    (with one phase, a prefix of the target's mix is the same curriculum)."""
     return len(cfg.mix.phases) > 1 and all(p.tokens is None for p in cfg.mix.phases)
 
 

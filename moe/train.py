@@ -73,14 +73,19 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def rows(self, a: int, b: int) -> np.ndarray:
-        """Rows a..b-1 as an int64 array [rows, length]; they must share a length (a step stays in one phase)."""
+    def width(self, a: int, b: int) -> int:
+        """The stored length shared by rows a..b-1 (model inputs + 1); a batch must not cross a phase boundary."""
         lo, hi = int(self.offsets[a]), int(self.offsets[b])
         width = int(self.offsets[a + 1] - lo)
         if hi - lo != width * (b - a) or self.phase[a] != self.phase[b - 1]:
             widths = sorted(set(np.diff(self.offsets[a : b + 1]).tolist()))
             raise ValueError(f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary")
-        return self.values[lo:hi].astype(np.int64).reshape(b - a, width)
+        return width
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows a..b-1 as an int64 array [rows, length]."""
+        width = self.width(a, b)
+        return self.values[self.offsets[a] : self.offsets[b]].astype(np.int64).reshape(b - a, width)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -214,7 +219,7 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             per_expert = None
             dropped = 0
             first = step * cfg.batch_size
-            seq_len = data.rows(first, first + cfg.batch_size).shape[1] - 1
+            seq_len = data.width(first, first + cfg.batch_size) - 1  # checks the step stays in one phase
             tokens_per_step = cfg.batch_size * seq_len
             for m in range(cfg.grad_accum):
                 rows = data.rows(first + m * micro, first + (m + 1) * micro)

@@ -91,6 +91,10 @@ def _tokenizer(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
     return tokenizer.build(cfg.tokenizer, inputs["docs"].dir, out)
 
 
+def _mix_config(cfg: RunConfig) -> dict:
+    return {"mix": cfg.mix, "seed": cfg.seed, "batch_size": cfg.train.batch_size, "phases": cfg.phases()}
+
+
 def _mix(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
     return mix.run(cfg.mix, seed=cfg.seed, phases=cfg.phases(), batch_size=cfg.train.batch_size,
                    store_dir=inputs["shards"].dir, tokenizer_dir=inputs["tokenizer"].dir, out=out)
@@ -145,12 +149,10 @@ STAGES: dict[str, Stage] = {
         Stage("tokenizer", tokenizer.VERSION, lambda c: c.tokenizer.model_dump(exclude={"shard_tokens"}), _tokenizer),
         Stage("tokenize", token_store.VERSION, lambda c: {"shard_tokens": c.tokenizer.shard_tokens},
               lambda c, i, o: token_store.run(c.tokenizer, i["docs"].dir, i["tokenizer"].dir, o)),
-        Stage("mix", mix.VERSION,
-              lambda c: {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}, _mix),
+        Stage("mix", mix.VERSION, _mix_config, _mix),
         # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
         # never takes a rung's mix for the target's)
-        Stage("rung_mix", mix.VERSION,
-              lambda c: {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}, _mix),
+        Stage("rung_mix", mix.VERSION, _mix_config, _mix),
         Stage("rung", train.VERSION, lambda c: {"model": c.model, "train": c.train, "seed": c.seed}, _train,
               resumable=True),
         Stage("ladder", ladder.VERSION, lambda c: {"ladder": c.ladder, "model": c.model, "train": c.train},
@@ -249,15 +251,12 @@ def _build(stage: Stage, name: str, key: str, store: Store, cfg: RunConfig, inpu
             lineage["shards"] = [{"hash": m.hash, "content_hash": m.content_hash,
                                   "path": Path(m.path).relative_to(store.root).as_posix()} for m in parts]
         manifest = store.commit(name, key, tmp, stats, lineage)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise StoreFull(f"{name}: the artifact store ran out of space ({e.strerror}: {e.filename or tmp}); "
                             f"nothing was published. Free space under {store.root} (or set MOEFLOW_STORE to a "
                             f"larger disk) and run again: finished stages are reused.") from e
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
