@@ -16,7 +16,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
 
-VERSION = 9
+VERSION = 10
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 RUN_RECORD = "## Run record (differs between runs)"
@@ -179,6 +179,7 @@ def render_card(graph: dict[str, dict]) -> str:
                ["final load imbalance per MoE layer (max/mean)", ", ".join(map(str, ts.get("final_load_imbalance", [])))],
                ["alarms", _alarms(ts.get("alarms", []))]]),
            *(_ladder_section(graph["ladder"], ts) if "ladder" in graph else []),
+           *(_ranks_section(ts["distributed"], train["config"]["model"]) if ts.get("distributed") else []),
            "", "## Evaluation", "",
            f"Held-out documents (chosen by a hash of their id, never trained on) of each domain, packed at the last "
            f"phase's context length. Checkpoint: the final one of `train-{train['artifact']['hash']}` (step {ts['steps']}); "
@@ -198,6 +199,9 @@ def render_card(graph: dict[str, dict]) -> str:
                ["tokens/s (median step)", ts["tokens_per_s"]], ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
                ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
                ["training seconds", ts.get("train_seconds", "-")],
+               *([["share of step time in the token all-to-all, per rank",
+                   ", ".join(f"rank {r['rank']}: {r['all_to_all_share']:.1%}" for r in ts["distributed"]["ranks"])]]
+                 if (ts.get("distributed") or {}).get("expert_parallel") else []),
                *([["ladder prediction registered at", graph["ladder"]["stats"]["registered_at"]],
                   ["target run started at", train["started_at"]]] if "ladder" in graph else [])]), "",
            _table(["stage", "artifact", "content hash", "Prefect task run", "finished at", "seconds"],
@@ -205,6 +209,25 @@ def render_card(graph: dict[str, dict]) -> str:
                     r["prefect"].get("task_run_id", "-"), r["finished_at"], r["seconds"]] for st, r in graph.items()]),
            "", "See `lineage_report.md` for every stage's config, inputs and statistics.", ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def _ranks_section(d: dict, model: dict) -> list[str]:
+    """Per-rank health of a torchrun run: which experts each rank held and how many assignments they processed."""
+    if not d["expert_parallel"]:
+        return ["", "### Ranks", "", f"{d['world_size']} ranks over {d['nnodes']} node(s), data parallel with every "
+                "expert replicated on every rank (train.distributed.expert_parallel: false)."]
+    per = model["num_experts"] // d["world_size"]
+    total = sum(sum(map(sum, r["expert_tokens"])) for r in d["ranks"]) or 1
+    rows = [[r["rank"], f"{r['rank'] * per}-{(r['rank'] + 1) * per - 1}",
+             "; ".join(f"layer {i}: " + ", ".join(f"e{r['rank'] * per + e} {n:,}" for e, n in enumerate(layer))
+                       for i, layer in enumerate(r["expert_tokens"])),
+             f"{sum(map(sum, r['expert_tokens'])) / total:.1%}"] for r in d["ranks"]]
+    return ["", "### Ranks", "",
+            f"{d['world_size']} ranks over {d['nnodes']} node(s) under torchrun: data parallel over all ranks, the "
+            f"{model['num_experts']} experts split {per} per rank; every (token, expert) assignment travels to the rank "
+            "holding its expert by a ragged all-to-all, none dropped. Assignments processed over the run (the share of "
+            "step time spent in the all-to-all is a timing: see the run record).", "",
+            _table(["rank", "experts", "assignments processed per MoE layer and expert", "share"], rows)]
 
 
 def _limitations(graph: dict[str, dict]) -> list[str]:

@@ -260,6 +260,28 @@ class AlarmConfig(Frozen):
     stop: bool = False  # stop the run (failing the stage) on the first alarm
 
 
+class DistributedConfig(Frozen):
+    """Training across processes: the train stage launches torchrun when this asks for more than one."""
+
+    nproc_per_node: int = Field(default=1, ge=1)  # ranks on this node (CPU: gloo; CUDA: NCCL, one GPU each)
+    nnodes: int = Field(default=1, ge=1)  # >1: start the same command on every node (README, multi-node)
+    node_rank: int = Field(default=0, ge=0)
+    rdzv_endpoint: str = "127.0.0.1:0"  # host:port of the rendezvous; port 0: a free port (one node only)
+    expert_parallel: bool = True  # experts split across ranks (ragged all-to-all); false: replicated
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.distributed.node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
+            raise ValueError("train.distributed.rdzv_endpoint needs a fixed host:port that every node can reach when nnodes > 1")
+        return self
+
+
 class TrainConfig(Frozen):
     steps: int = Field(default=300, gt=0)
     batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
@@ -281,11 +303,16 @@ class TrainConfig(Frozen):
     peak_tflops: float | None = Field(default=None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
     log_every: int = Field(default=10, gt=0)
     alarms: AlarmConfig = AlarmConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.batch_size % self.grad_accum:
             raise ValueError("batch_size must be divisible by grad_accum")
+        world = self.distributed.world_size
+        if (self.batch_size // self.grad_accum) % world:
+            raise ValueError(f"train.batch_size / grad_accum = {self.batch_size // self.grad_accum} sequences per micro-batch "
+                             f"must split evenly over the {world} ranks of train.distributed")
         return self
 
 
@@ -351,6 +378,12 @@ class RunConfig(Frozen):
             unknown = sorted(set(phase.weights or {}) - domains)
             if unknown:
                 raise ValueError(f"mix.phases.{i}.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+        dist = self.train.distributed
+        if dist.world_size > 1 and self.model.backend != "torch":
+            raise ValueError(f"train.distributed runs the reference MoE layer: set model.backend: torch (got {self.model.backend!r})")
+        if dist.world_size > 1 and dist.expert_parallel and self.model.num_experts % dist.world_size:
+            raise ValueError(f"model.num_experts={self.model.num_experts} cannot be split over the {dist.world_size} ranks of "
+                             "train.distributed: choose a rank count that divides it, or set expert_parallel: false")
         self.phases()  # budgets must add up to the run
         unknown = sorted(set(self.filter.overrides) - domains - set(names))
         if unknown:

@@ -28,6 +28,7 @@ class MoE(nn.Module):
                                  normalize=cfg.normalize_expert_weights)
         self.experts = Experts(cfg.num_experts, cfg.d_model, cfg.expert_hidden, cfg.glu)
         self.shared_expert = SharedExpert(cfg.d_model, cfg.shared_expert_hidden, cfg.glu) if cfg.shared_expert_hidden else None
+        self.world = None  # under torchrun: the `parallel.World` (experts split across ranks, global counts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """x [..., D] -> (y [..., D], aux losses and metrics of this call)."""
@@ -45,15 +46,19 @@ class MoE(nn.Module):
             order_A = order_A[rank_A < capacity]
             tokens_per_expert_E = routed_E.clamp(max=capacity)
         token_A = order_A // self.top_k  # which token each sorted assignment belongs to
-        y_AD = self.experts(x_TD[token_A], tokens_per_expert_E)
+        if self.world is not None and self.world.expert_parallel:
+            y_AD = self.world.dispatch(x_TD[token_A], tokens_per_expert_E, self.experts)
+        else:
+            y_AD = self.experts(x_TD[token_A], tokens_per_expert_E)
         y_AD = y_AD * r.weights_TK.reshape(-1)[order_A].unsqueeze(-1)
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
+        counts_E = routed_E if self.world is None else self.world.global_counts(routed_E)  # every rank's tokens
         aux = {
-            "load_balancing_loss": load_balancing_loss(probs_TE=r.probs_TE, tokens_per_expert_E=routed_E, top_k=self.top_k),
+            "load_balancing_loss": load_balancing_loss(probs_TE=r.probs_TE, tokens_per_expert_E=counts_E),
             "router_z_loss": router_z_loss(logits_TE=r.logits_TE),
-            "tokens_per_expert": routed_E.detach(),
+            "tokens_per_expert": counts_E.detach(),
             "dropped": (routed_E - tokens_per_expert_E).sum().detach(),
         }
         return out_TD.reshape(shape), aux

@@ -8,10 +8,13 @@ from __future__ import annotations
 import torch
 
 
-def load_balancing_loss(*, probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """E / (T*K) * sum_e count_e * mean_t p_te: 1.0 when routing is perfectly uniform."""
-    num_tokens, num_experts = probs_TE.shape
-    scale = num_experts / (num_tokens * top_k)
+def load_balancing_loss(*, probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """E / (T*K) * sum_e count_e * mean_t p_te: 1.0 when routing is perfectly uniform.
+
+    T*K is the sum of the counts, so counts summed over data-parallel ranks give each rank the share
+    of the global loss whose mean over ranks is the loss of the whole batch (and so is its gradient)."""
+    num_experts = probs_TE.shape[1]
+    scale = num_experts / int(tokens_per_expert_E.sum())
     return scale * torch.dot(tokens_per_expert_E.to(probs_TE.dtype), probs_TE.mean(dim=0))
 
 

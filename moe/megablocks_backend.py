@@ -61,8 +61,7 @@ class MegaBlocksMoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out, {
-            "load_balancing_loss": load_balancing_loss(probs_TE=probs_TE, tokens_per_expert_E=tokens_per_expert_E,
-                                                       top_k=self.top_k),
+            "load_balancing_loss": load_balancing_loss(probs_TE=probs_TE, tokens_per_expert_E=tokens_per_expert_E),
             "router_z_loss": router_z_loss(logits_TE=logits_TE),
             "tokens_per_expert": tokens_per_expert_E.detach(),
             "dropped": torch.zeros((), dtype=torch.long, device=x.device),

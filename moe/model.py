@@ -87,8 +87,9 @@ class Transformer(nn.Module):
 
     def num_params(self) -> dict[str, int]:
         """Total and active parameters (active: each token uses top_k of num_experts experts)."""
-        total = sum(p.numel() for p in self.parameters())
-        expert = sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
+        shards = getattr(self, "expert_shards", 1)  # experts split across ranks: count every rank's
+        expert = shards * sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
+        total = sum(p.numel() for n, p in self.named_parameters() if ".experts." not in n) + expert
         inactive = expert * (self.cfg.num_experts - self.cfg.top_k) // self.cfg.num_experts
         embedding = self.embed.weight.numel()
         return {"total": total, "active": total - inactive, "expert": expert, "embedding": embedding,

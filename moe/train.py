@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
-from moeflow.moe import checkpoint, ladder
+from moeflow.moe import checkpoint, ladder, parallel
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
@@ -116,14 +116,27 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int
     return Transformer(model_cfg, vocab_size, seq_len)
 
 
+def group_of(name: str) -> str:
+    return next((g for g, key in PARAM_GROUPS if key in f".{name}"), "other")
+
+
 def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
     sums: dict[str, float] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        group = next((g for g, key in PARAM_GROUPS if key in f".{name}"), "other")
+        group = group_of(name)
         sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
     return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
+
+
+def _sync(world: parallel.World, model: torch.nn.Module, clip: float, means: list[float]) -> tuple[dict, float, list[float]]:
+    """Under torchrun: reduce gradients, clip by the whole model's norm; (group norms, norm, means of `means` over ranks)."""
+    world.reduce_gradients(model)
+    squares = world.grad_square_sums(model, group_of)
+    total = math.sqrt(sum(squares.values()))
+    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], clip, torch.tensor(total))
+    return {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}, total, world.mean(means)
 
 
 class Monitor:
@@ -154,19 +167,27 @@ def _autocast(precision: str):
     return nullcontext()
 
 
-def _truncate_jsonl(path: Path, upto: int) -> list[dict]:
-    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them."""
+def _truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> list[dict]:
+    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them. Under torchrun
+    every rank reads them (for identical alarm decisions) before rank 0 rewrites the file."""
     kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto] if path.exists() else []
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if world is not None:
+        torch.distributed.barrier()
+    if world is None or world.main:
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 
 def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path,
         work: Path | None = None, stop_after: int | None = None, ladder_dir: Path | None = None,
-        band_tolerance: float = 0.05) -> dict:
+        band_tolerance: float = 0.05) -> dict | None:
+    """Train and return the run's summary; under torchrun (WORLD_SIZE > 1) every rank calls this, rank 0
+    writes the metrics, checkpoints and artifact and returns the summary, the others return None."""
     from torch.utils.tensorboard import SummaryWriter
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    world = parallel.init(cfg.distributed.expert_parallel)
+    main = world is None or world.main
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world.local_size if world else 1)))
     work = Path(work or out)
     work.mkdir(parents=True, exist_ok=True)
     data = Sequences(Path(mix_dir) / "train.arrow")
@@ -176,12 +197,16 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
     max_len = max(data.max_len, cfg.seq_len)
     model = build_model(model_cfg, vocab, max_len, seed)
+    if world is not None:
+        world.shard(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     params = model.num_params()
     micro = cfg.batch_size // cfg.grad_accum
+    local = micro // (world.size if world else 1)  # each rank reads its slice of every micro-batch
+    offset = world.rank * local if world else 0
     monitor = Monitor(cfg.alarms)
     band = ladder.Band(ladder_dir, cfg.steps, band_tolerance) if ladder_dir else None
     recent: deque[float] = deque(maxlen=ladder.SMOOTH)
@@ -192,21 +217,23 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     start = 0
     latest = checkpoint.latest(ckpt_root)
     if latest is not None:
-        state = checkpoint.load(latest, model, opt)
+        state = checkpoint.load(latest, model, opt, world)
         start = resumed_from = state["step"]
-        log.warning("train: resuming from %s (step %d of %d)", latest, start, cfg.steps)
-        for rec in _truncate_jsonl(metrics_path, start):
+        if main:
+            log.warning("train: resuming from %s (step %d of %d)", latest, start, cfg.steps)
+        for rec in _truncate_jsonl(metrics_path, start, world):
             monitor.check(rec["ce"], rec["grad_norm"])
             recent.append(rec["ce"])
         resumes = state.get("resumes", []) + [{"from_step": start}]
     else:
-        metrics_path.write_text("")
+        if main:
+            metrics_path.write_text("")
         resumes = []
     alarms_path = work / "alarms.jsonl"
-    all_alarms = _truncate_jsonl(alarms_path, start)
-    tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None)
-    with open(metrics_path, "a") as log_f, tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
-                                                 mininterval=5) as bar:
+    all_alarms = _truncate_jsonl(alarms_path, start, world)
+    tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None) if main else None
+    with (open(metrics_path, "a") if main else open(os.devnull, "w")) as log_f, \
+            tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=5, disable=not main) as bar:
         for step in range(start, cfg.steps):
             if stop_after is not None and step >= stop_after:
                 raise StopTraining(f"stopped before step {step + 1}")
@@ -222,7 +249,8 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             seq_len = data.width(first, first + cfg.batch_size) - 1  # checks the step stays in one phase
             tokens_per_step = cfg.batch_size * seq_len
             for m in range(cfg.grad_accum):
-                rows = data.rows(first + m * micro, first + (m + 1) * micro)
+                a = first + m * micro + offset
+                rows = data.rows(a, a + local)
                 with _autocast(cfg.precision):
                     ce, auxes, logit_z = lm_loss(model, torch.from_numpy(rows), logit_z=cfg.logit_z_coef > 0)
                 lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
@@ -233,8 +261,13 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                 counts = [a["tokens_per_expert"] for a in auxes]
                 per_expert = counts if per_expert is None else [a + b for a, b in zip(per_expert, counts)]
                 dropped += sum(int(a["dropped"]) for a in auxes)
-            groups = group_grad_norms(model)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if world is None:
+                groups = group_grad_norms(model)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            else:
+                groups, grad_norm, means = _sync(world, model, cfg.grad_clip, [ce_sum, lb_sum, z_sum, lz_sum, dropped])
+                ce_sum, lb_sum, z_sum, lz_sum = means[:4]
+                dropped = round(means[4] * world.size)
             opt.step()
             dt = time.perf_counter() - t0
             n = cfg.grad_accum
@@ -252,6 +285,8 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                       "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
                       "tokens_per_expert": per_expert_l, "load_imbalance": [round(x, 4) for x in imbalance],
                       "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0}
+            if world is not None:
+                record["ranks"] = _rank_metrics(world, dt, len(per_expert_l))
             alarms = monitor.check(ce_v, grad_norm)
             recent.append(ce_v)
             if band is not None:
@@ -261,28 +296,56 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                 if outside and not was_outside:  # alarm when the run leaves the band, not at every step outside
                     alarms.append(outside)
                 was_outside = outside is not None
-            for alarm in alarms:
-                log.warning("train: step %d alarm %s", step + 1, alarm)
+            for alarm in alarms:  # every rank sees the same values, so every rank decides the same
                 all_alarms.append({"step": step + 1, "alarm": alarm})
-                with open(alarms_path, "a") as f:
-                    f.write(json.dumps(all_alarms[-1]) + "\n")
+                if main:
+                    log.warning("train: step %d alarm %s", step + 1, alarm)
+                    with open(alarms_path, "a") as f:
+                        f.write(json.dumps(all_alarms[-1]) + "\n")
                 if cfg.alarms.stop:
                     raise TrainingAlarm(f"step {step + 1}: {alarm}")
             log_f.write(json.dumps(record) + "\n")
             log_f.flush()
-            for key in ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "lr", "tokens_per_s",
-                        "token_drop_rate"):
-                tb.add_scalar(f"train/{key}", record[key], step + 1)
-            for i, x in enumerate(imbalance):
-                tb.add_scalar(f"moe/load_imbalance_layer{i}", x, step + 1)
+            if tb is not None:
+                for key in ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "lr", "tokens_per_s",
+                            "token_drop_rate"):
+                    tb.add_scalar(f"train/{key}", record[key], step + 1)
+                for i, x in enumerate(imbalance):
+                    tb.add_scalar(f"moe/load_imbalance_layer{i}", x, step + 1)
             bar.update(1)
             if (step + 1) % cfg.log_every == 0:
                 bar.set_postfix(loss=f"{ce_v:.3f}", gnorm=f"{grad_norm:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 checkpoint.save(ckpt_root, step + 1, model, opt, {"data_position": (step + 1) * cfg.batch_size,
-                                                                  "resumes": resumes}, cfg.keep_checkpoints)
+                                                                  "resumes": resumes}, cfg.keep_checkpoints, world)
+    if not main:
+        return None
     tb.close()
     return _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from, max_len)
+
+
+def _rank_metrics(world: parallel.World, step_s: float, moe_layers: int) -> list[dict]:
+    """Every rank's step time, all-to-all time and tokens its experts processed per MoE layer (gathered on all ranks)."""
+    all_to_all_s, received = world.take_timer()
+    per_layer = [torch.stack(received[i::moe_layers]).sum(0).tolist() for i in range(moe_layers)] if received else []
+    return world.gather_object({"rank": world.rank, "step_s": round(step_s, 5), "all_to_all_s": round(all_to_all_s, 5),
+                                "expert_tokens": per_layer})
+
+
+def _distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
+    """Per rank over the run: share of step time in the token all-to-all, tokens its experts processed."""
+    steps = [r["ranks"] for r in records if "ranks" in r]
+    if not steps:
+        return None
+    ranks = []
+    for i in range(len(steps[0])):
+        step_s = sum(s[i]["step_s"] for s in steps)
+        ranks.append({"rank": i, "all_to_all_share": round(sum(s[i]["all_to_all_s"] for s in steps) / step_s, 4),
+                      "expert_tokens": [[sum(col) for col in zip(*(s[i]["expert_tokens"][layer] for s in steps))]
+                                        for layer in range(len(steps[0][i]["expert_tokens"]))],
+                      "step_s": round(step_s, 2)})
+    return {"world_size": len(ranks), "nnodes": cfg.distributed.nnodes, "expert_parallel": cfg.distributed.expert_parallel,
+            "ranks": ranks}
 
 
 def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: dict, resumes: list, alarms: list,
@@ -321,5 +384,5 @@ def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: di
             "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
             "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
             "vocab_size": vocab, "resumes": resumes, "resumed_from_step": resumed_from, "alarms": alarms,
-            "schedule": cfg.schedule, "precision": cfg.precision}
+            "schedule": cfg.schedule, "precision": cfg.precision, "distributed": _distributed_summary(cfg, records)}
 

@@ -31,7 +31,7 @@ from moeflow.configs import RunConfig
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import openlineage, record
 from moeflow.lineage.artifacts import Manifest, Store, canonical_json, stage_hash
-from moeflow.moe import evaluate, ladder, train
+from moeflow.moe import evaluate, ladder, launch, train
 from moeflow.sources import fetch
 from moeflow.tokenize import mix, store as token_store, tokenizer
 
@@ -101,9 +101,11 @@ def _mix(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
 
 
 def _train(cfg: RunConfig, inputs: Inputs, out: Path, work: Path) -> dict:
-    return train.run(cfg.model, cfg.train, seed=cfg.seed, mix_dir=inputs["mix"].dir, tokenizer_dir=inputs["tokenizer"].dir,
-                     out=out, work=work, ladder_dir=inputs["prediction"].dir if "prediction" in inputs else None,
-                     band_tolerance=cfg.ladder.band_tolerance if cfg.ladder else 0.0)
+    # more than one process asked for: torchrun runs the same entry point on every rank
+    run = launch.torchrun if cfg.train.distributed.world_size > 1 else train.run
+    return run(cfg.model, cfg.train, seed=cfg.seed, mix_dir=inputs["mix"].dir, tokenizer_dir=inputs["tokenizer"].dir,
+               out=out, work=work, ladder_dir=inputs["prediction"].dir if "prediction" in inputs else None,
+               band_tolerance=cfg.ladder.band_tolerance if cfg.ladder else 0.0)
 
 
 def _card(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:

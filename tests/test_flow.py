@@ -119,6 +119,23 @@ def test_until_stops_after_the_stage(cold):
     assert list(out["stages"]) == ["sources", "ingest", "filter", "dedup"] and out["card"] is None
 
 
+def test_train_stage_launches_torchrun_and_matches_the_single_process_run(cold, tmp_path):
+    path, first = cold
+    two = write_config(tmp_path / "two-ranks.yaml", store=first["store"],
+                       train={**yaml.safe_load(path.read_text())["train"], "distributed": {"nproc_per_node": 2}})
+    out = pretrain(config=str(two))
+    assert all(out["stages"][s]["reused"] for s in (*UPSTREAM, "mix")) and not out["stages"]["train"]["reused"]
+    runs = [[json.loads(line) for line in (Path(r["stages"]["train"]["artifact"]) / "metrics.jsonl").read_text().splitlines()]
+            for r in (first, out)]
+    assert len(runs[0]) == len(runs[1]) == 40
+    for a, b in zip(*runs):  # tolerance as in test_parallel: the same sums in another order
+        assert abs(a["ce"] - b["ce"]) <= 1e-4 and a["tokens_per_expert"] == b["tokens_per_expert"], a["step"]
+        assert [r["rank"] for r in b["ranks"]] == [0, 1]
+    text = Path(out["card"]).read_text()
+    assert "### Ranks" in text and "experts split 2 per rank" in text
+    assert "share of step time in the token all-to-all, per rank" in text.split(card.RUN_RECORD)[1]
+
+
 def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path):
     store = tmp_path / "store"
     path = write_config(tmp_path / "bad.yaml", store=str(store), sources=[

@@ -46,9 +46,9 @@ def test_state_dict_uses_megablocks_names_and_shapes():
 
 def test_aux_losses_on_hand_computed_cases():
     uniform = torch.full((8, 4), 0.25)
-    assert load_balancing_loss(probs_TE=uniform, tokens_per_expert_E=torch.tensor([4, 4, 4, 4]), top_k=2).item() == 1.0
+    assert load_balancing_loss(probs_TE=uniform, tokens_per_expert_E=torch.tensor([4, 4, 4, 4])).item() == 1.0
     skewed = torch.tensor([[1.0, 0, 0, 0]] * 8)
-    assert load_balancing_loss(probs_TE=skewed, tokens_per_expert_E=torch.tensor([8, 8, 0, 0]), top_k=2).item() == 2.0
+    assert load_balancing_loss(probs_TE=skewed, tokens_per_expert_E=torch.tensor([8, 8, 0, 0])).item() == 2.0
     logits = torch.zeros(3, 4)
     torch.testing.assert_close(router_z_loss(logits_TE=logits), torch.log(torch.tensor(4.0)) ** 2)
 

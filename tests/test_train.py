@@ -12,6 +12,7 @@ from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
 from moeflow.moe import train
 from moeflow.moe.layer import MoE
 from moeflow.moe.model import Transformer
+from helpers import write_training_mix
 from moeflow.tokenize import mix, tokenizer
 
 ASSET = Path(__file__).parent / "assets" / "loss_curve_20_steps.json"
@@ -20,17 +21,7 @@ MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, e
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A mix artifact of 96 sequences over a 300-token vocabulary with learnable structure, and its tokenizer."""
-    root = tmp_path_factory.mktemp("data")
-    from tokenizers.implementations import ByteLevelBPETokenizer
-
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(["abc def ghi " * 50], vocab_size=300, special_tokens=[tokenizer.EOS], show_progress=False)
-    tok.save(str(root / tokenizer.TOKENIZER))
-    rng = np.random.default_rng(0)
-    rows = [(np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % tok.get_vocab_size() for _ in range(96)]
-    mix._write(root / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
-    return root
+    return write_training_mix(tmp_path_factory.mktemp("data"))
 
 
 def _train(data, out, **kw):

@@ -1,0 +1,104 @@
+"""Training under torchrun (gloo, CPU): 2 ranks with experts split across them reproduce the single process."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeflow import configs
+from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.moe import launch, train
+from helpers import write_config, write_training_mix
+
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, expert_hidden=32)
+BASE = {"steps": 12, "batch_size": 8, "seq_len": 32, "lr": 1e-2, "warmup_steps": 2, "checkpoint_every": 4}
+# Stated tolerance: float32 sums in another order (the experts see the same rows, the all-reduce adds
+# two halves) may differ in the last bits; 12 steps of AdamW keep that far below 1e-4.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_training_mix(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    return out, train.run(MODEL, TrainConfig(**BASE), seed=7, mix_dir=data, tokenizer_dir=data, out=out)
+
+
+def _torchrun(data, out: Path, **distributed) -> dict:
+    cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 2, **distributed})
+    return launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=out / "work")
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    ra, rb = _records(a), _records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, BASE["steps"] + 1))
+    for x, y in zip(ra, rb):
+        for key in ("loss", "ce", "load_balancing_loss", "router_z_loss"):
+            assert abs(x[key] - y[key]) <= TOL, (x["step"], key, x[key], y[key])
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= TOL * max(1.0, x["grad_norm"]), (x["step"], x["grad_norm"], y["grad_norm"])
+        assert x["tokens_per_expert"] == y["tokens_per_expert"]  # routing decisions are identical
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()  # the checkpoint holds the whole model, experts gathered from both ranks
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=TOL, rtol=TOL, msg=k)
+
+
+def test_two_ranks_with_expert_parallelism_give_the_single_process_run(data, single, tmp_path):
+    one, summary_one = single
+    summary = _torchrun(data, tmp_path)
+    _assert_same_run(one, tmp_path)
+    assert summary["params_total"] == summary_one["params_total"]  # counted over both ranks' experts
+    d = summary["distributed"]
+    assert d["world_size"] == 2 and d["expert_parallel"]
+    # each rank's experts processed exactly the assignments routed to them: ranks 0/1 hold experts 0-1/2-3
+    routed = np.sum([r["tokens_per_expert"] for r in _records(tmp_path)], axis=0)  # [layer, expert]
+    for rank in d["ranks"]:
+        assert np.array_equal(np.array(rank["expert_tokens"]), routed[:, 2 * rank["rank"] : 2 * rank["rank"] + 2])
+        assert 0 < rank["all_to_all_share"] < 1
+
+
+def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data, single, tmp_path):
+    _torchrun(data, tmp_path, expert_parallel=False)
+    _assert_same_run(single[0], tmp_path)
+
+
+def test_an_interrupted_torchrun_resumes_from_its_last_checkpoint(data, tmp_path):
+    first = _torchrun(data, tmp_path / "a")
+    work = tmp_path / "a" / "work"
+    shutil.rmtree(work / "checkpoints" / "step-0000012")  # as if killed after step 8's checkpoint
+    out = tmp_path / "b"
+    out.mkdir()
+    summary = launch.torchrun(MODEL, TrainConfig(**BASE, distributed={"nproc_per_node": 2}), seed=7, mix_dir=data,
+                              tokenizer_dir=data, out=out, work=work)
+    assert summary["resumed_from_step"] == 8 and first["resumed_from_step"] is None
+    ra, rb = _records(tmp_path / "a"), _records(out)
+    assert [(r["ce"], r["grad_norm"]) for r in ra] == [(r["ce"], r["grad_norm"]) for r in rb]
+
+
+def test_a_failing_rank_fails_the_launch_with_its_output(data, tmp_path):
+    cfg = TrainConfig(**{**BASE, "steps": 1000}, distributed={"nproc_per_node": 2})  # 1000 x 8 rows > 96 in the mix
+    with pytest.raises(RuntimeError, match="torchrun exited with status 1: ValueError: train: the mix holds 96 sequences"):
+        launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=tmp_path, work=tmp_path / "work")
+
+
+def test_configs_refuse_what_cannot_be_split(tmp_path):
+    with pytest.raises(ValueError, match="must split evenly over the 2 ranks"):
+        TrainConfig(batch_size=6, grad_accum=2, distributed={"nproc_per_node": 2})
+    with pytest.raises(ValueError, match="rdzv_endpoint needs a fixed host:port"):
+        TrainConfig(distributed={"nnodes": 2})
+    with pytest.raises(ValueError, match="num_experts=6 cannot be split over the 4 ranks"):
+        configs.load(write_config(tmp_path / "c.yaml", model={"num_experts": 6}, train={"distributed": {"nproc_per_node": 4}}))
+    with pytest.raises(ValueError, match="set model.backend: torch"):
+        configs.load(write_config(tmp_path / "c.yaml", model={"backend": "megablocks"}, train={"distributed": {"nproc_per_node": 2}}))
