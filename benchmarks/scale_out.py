@@ -1,10 +1,16 @@
-"""Data-stage wall time on a local process pool against a local Ray cluster through prefect-ray, same cores.
+"""Scale-out at one machine's cores: data stages on a process pool against Ray; training on 1 rank against 2.
 
-Run: `python benchmarks/scale_out.py [--shards 2] [--config smoke]` (fetches the packages it reads if
-needed). Runs the pretrain flow up to `filter` twice, in fresh artifact stores under a temporary Prefect
-server: once with `execution.runner: processes`, once with `ray` (a local Ray instance started by
-`RayTaskRunner`, `--workers` CPUs). Reports each run's wall time (Ray's includes starting Ray), the
-filter stage's own time, and `ray_over_processes`. The last line is one JSON object.
+Run: `python benchmarks/scale_out.py [--shards 2] [--config smoke] [--ranks 2] [--steps 30]` (fetches
+the packages it reads if needed). Data: runs the pretrain flow up to `filter` twice, in fresh artifact
+stores under a temporary Prefect server: once with `execution.runner: processes`, once with `ray` (a
+local Ray instance started by `RayTaskRunner`, `--workers` CPUs). Reports each run's wall time (Ray's
+includes starting Ray), the filter stage's own time, and `ray_over_processes`. Training: on the
+config's mix (the process-pool store goes on to `mix`), the config's model and global batch trained by
+one process (all cores as threads) and by `--ranks` ranks under torchrun with expert parallelism (the
+cores split between them). Reports each run's median step throughput (tokens/s), `ep_efficiency`
+(the ranks' tokens/s over one process's: ranks sharing one machine's cores add no compute, so below 1
+is expected), each rank's share of step time in the token all-to-all, the largest loss difference,
+and wall times (torchrun's include starting the ranks). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ def main() -> None:
     ap.add_argument("--config", default="smoke", help="preset or YAML path (default smoke)")
     ap.add_argument("--shards", type=int, default=2, help="filter shards (default 2)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes / Ray CPUs (default: all cores)")
+    ap.add_argument("--ranks", type=int, default=2, help="training ranks with expert parallelism (default 2)")
+    ap.add_argument("--steps", type=int, default=30, help="training steps of each run (default 30)")
+    ap.add_argument("--d-model", type=int, help="training: model width (expert width twice it; default: the config's)")
+    ap.add_argument("--experts", type=int, help="training: experts per layer (default: the config's)")
     args = ap.parse_args()
 
     from prefect.testing.utilities import prefect_test_harness
@@ -55,9 +65,45 @@ def main() -> None:
             figures[f"{runner}_shard_seconds"] = shard_seconds
             figures[f"{runner}_filter_content_hash"] = out["stages"]["filter"]["content_hash"]
             print(f"{runner:9s}: {wall:6.1f} s to the end of filter; shards took {shard_seconds} s", flush=True)
+        out = pretrain(config=str(Path(tmp) / "processes.yaml"), until="mix")  # reuses that store's stages
+        figures.update(training(configs.load(str(Path(tmp) / "processes.yaml")), out["stages"], args, Path(tmp)))
     figures["ray_over_processes"] = round(figures["ray_wall_s"] / figures["processes_wall_s"], 3)
     figures["same_output"] = figures["ray_filter_content_hash"] == figures["processes_filter_content_hash"]
+    figures["ep_efficiency"] = round(figures["ep_tokens_per_s"] / figures["one_tokens_per_s"], 3)
+    print(f"training: {figures['one_tokens_per_s']} tokens/s on 1 process, {figures['ep_tokens_per_s']} on "
+          f"{args.ranks} expert-parallel ranks (efficiency {figures['ep_efficiency']}); all-to-all share per rank "
+          f"{figures['ep_all_to_all_share']}; largest loss difference {figures['ep_max_loss_diff']:.2e}")
     print(json.dumps(figures))
+
+
+def training(cfg, stages: dict, args, tmp: Path) -> dict:
+    """The config's model trained on its mix by one process, then by `args.ranks` expert-parallel ranks."""
+    from moeflow.moe import launch, train
+
+    dist = {"nproc_per_node": args.ranks, "expert_parallel": True}
+    train_cfg = cfg.train.model_copy(update={"steps": args.steps})
+    model = cfg.model.model_copy(update={k: v for k, v in (("d_model", args.d_model), ("num_experts", args.experts),
+                                                             ("expert_hidden", args.d_model and 2 * args.d_model)) if v})
+    dirs = {"seed": cfg.seed, "mix_dir": Path(stages["mix"]["artifact"]),
+            "tokenizer_dir": Path(stages["tokenizer"]["artifact"])}
+    figures, curves = {"model": {k: getattr(model, k) for k in ("d_model", "num_experts", "top_k", "expert_hidden")}}, {}
+    for name in ("one", "ep"):
+        out = tmp / f"train-{name}"
+        out.mkdir()
+        t0 = time.perf_counter()
+        if name == "one":
+            stats = train.run(model, train_cfg, out=out, work=tmp / f"work-{name}", **dirs)
+        else:
+            ep_cfg = train_cfg.model_copy(update={"distributed": train_cfg.distributed.model_copy(update=dist)})
+            stats = launch.torchrun(model, ep_cfg, out=out, work=tmp / f"work-{name}", **dirs)
+        figures[f"{name}_wall_s"] = round(time.perf_counter() - t0, 1)
+        figures[f"{name}_tokens_per_s"] = stats["tokens_per_s"]
+        curves[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        print(f"{name:9s}: {figures[f'{name}_wall_s']:6.1f} s for {args.steps} steps, {stats['tokens_per_s']} tokens/s",
+              flush=True)
+    figures["ep_all_to_all_share"] = [r["all_to_all_share"] for r in stats["distributed"]["ranks"]]
+    figures["ep_max_loss_diff"] = max(abs(a - b) for a, b in zip(curves["one"], curves["ep"]))
+    return figures
 
 
 if __name__ == "__main__":
