@@ -188,3 +188,27 @@ def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tm
     assert proc.returncode != 0
     assert "ingest: the artifact store ran out of space" in proc.stdout + proc.stderr
     assert not [p for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")]  # no artifact, no staging
+
+
+def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_completes(reference, tmp_path):
+    """A real full disk: the store on a 256 KB tmpfs (mounting needs root, as in CI). After the failure the
+    tmpfs is grown: the rerun reuses the stage that finished and builds the rest."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(store)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the RLIMIT_FSIZE test covers the message")
+    try:
+        config = write_config(tmp_path / "smoke.yaml", store=str(store))
+        proc = _start(config, "--until", "ingest")
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode != 0
+        assert "ingest: the artifact store ran out of space" in out and "No space left on device" in out
+        assert [p.name for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")] == []
+        assert len(list((store / "sources").glob("sources-*/manifest.json"))) == 1  # the stage before was published
+        subprocess.run(["mount", "-o", "remount,size=64m", str(store)], check=True)
+        out = _finish(_start(config, "--until", "ingest"))
+        assert any(line.split()[:2] == ["sources", "reused"] for line in out.splitlines()), out[-2000:]
+        assert _content(store)["ingest"] == _content(reference)["ingest"]
+    finally:
+        subprocess.run(["umount", "-l", str(store)], capture_output=True)
