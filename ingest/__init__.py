@@ -93,6 +93,17 @@ def preflight(cfg: RunConfig) -> None:
             resolve_source(src)
 
 
+def local_files(cfg: RunConfig) -> dict[str, list[dict]]:
+    """Each local (not package) source's files with size and mtime: part of the `sources` stage's key, so
+    a changed file is read again instead of reusing the artifacts built from its old content."""
+    out = {}
+    for src in cfg.sources:
+        if not src.package:
+            stats = [(f, f.stat()) for f in resolve_source(src).files]
+            out[src.name] = [{"path": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns} for f, st in stats]
+    return out
+
+
 def resolve_sources(cfg: RunConfig) -> list[ResolvedSource]:
     """Resolve every source before any work; raise on the first that matches nothing."""
     return resolve_sources_list(cfg.sources)

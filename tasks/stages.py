@@ -66,6 +66,11 @@ def packages_for(cfg: RunConfig) -> list[str]:
     return sorted(names)
 
 
+def _sources_key(cfg: RunConfig) -> dict:
+    local = ingest.local_files(cfg)  # omitted when empty: package-only configs keep their keys
+    return {"packages": packages_for(cfg), **({"local": local} if local else {})}
+
+
 def _sources(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
     optional = {s.package for s in cfg.sources if s.optional and s.package}
     receipts, skipped = {}, {}
@@ -79,8 +84,10 @@ def _sources(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
             skipped[name] = str(e)
             continue
         receipts[name] = {k: r[k] for k in ("name", "kind", "version", "archive", "sha256", "files", "license")}
-    (out / "packages.json").write_text(json.dumps({"packages": receipts, "skipped": skipped}, indent=2, sort_keys=True))
-    return {"packages": receipts, "skipped": skipped}
+    local = ingest.local_files(cfg)  # what the key saw: a file changed since is read again under a new key
+    (out / "packages.json").write_text(json.dumps({"packages": receipts, "skipped": skipped, "local": local}, indent=2,
+                                                  sort_keys=True))
+    return {"packages": receipts, "skipped": skipped, "local": local}
 
 
 def _ingest(cfg: RunConfig, inputs: Inputs, out: Path) -> dict:
@@ -132,7 +139,7 @@ def _publish(out: Path, roots: list[Path]) -> None:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("sources", 1, lambda c: {"packages": packages_for(c)}, _sources),
+        Stage("sources", 2, _sources_key, _sources),
         Stage("ingest", ingest.VERSION, lambda c: c.sources, _ingest),
         Stage("filter", filters.VERSION, lambda c: c.filter.model_dump(mode="json", exclude={"shards"}),
               lambda c, i, o, shard=(0, 1): filters.run(c.filter, i["docs"].dir, o, shard=shard),

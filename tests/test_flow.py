@@ -146,6 +146,22 @@ def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path)
     assert not store.exists()
 
 
+def test_a_changed_local_source_file_is_read_again(prefect_server, tmp_path):
+    src = tmp_path / "mine.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 60}) + "\n" for i in range(3)))
+    path = write_config(tmp_path / "mine.yaml", store=str(tmp_path / "store"), sources=[
+        {"name": "mine", "path": str(src), "format": "jsonl", "domain": "literature", "license": "cc0"}],
+        mix={"weights": {"literature": 1.0}, "phases": []}, filter={"overrides": {}})
+    first = pretrain(config=str(path), until="ingest")
+    assert pretrain(config=str(path), until="ingest")["stages"]["ingest"]["hash"] == first["stages"]["ingest"]["hash"]
+    with src.open("a") as f:  # same path, new content: the artifacts built from the old content are not reused
+        f.write(json.dumps({"text": "document 3 " * 60}) + "\n")
+    second = pretrain(config=str(path), until="ingest")
+    assert second["stages"]["ingest"]["hash"] != first["stages"]["ingest"]["hash"]
+    lineage = json.loads((Path(second["stages"]["ingest"]["artifact"]) / "lineage.json").read_text())
+    assert lineage["stats"]["documents_in"] == 4
+
+
 def test_explain_follows_a_document_through_the_stages(cold, capsys):
     from moeflow.cli import main
     from moeflow.lineage.ledger import read as read_ledger
