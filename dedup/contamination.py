@@ -240,14 +240,15 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict
 
 def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir: Path, out: Path) -> dict:
     """Measure the benchmark overlap left in a token store: decode every document and check it again."""
-    from moeflow.tokenize.store import read_tokens
+    from moeflow.tokenize.store import iter_tokens
     from moeflow.tokenize.tokenizer import load as load_tokenizer
 
     index, tok = Index(index_dir), load_tokenizer(tokenizer_dir)
     per_bench: dict[str, dict] = {}
-    found = []
-    tokens = read_tokens(store_dir)
-    for doc_id, ids in tqdm(tokens.items(), desc="overlap", unit="doc", mininterval=5):
+    found, checked = [], 0
+    total = pq.ParquetFile(Path(store_dir) / "index.parquet").metadata.num_rows
+    for doc_id, ids in tqdm(iter_tokens(store_dir), desc="overlap", unit="doc", mininterval=5, total=total):
+        checked += 1
         matched, item, _ = index.matches(tok.decode(ids.tolist(), skip_special_tokens=False), cfg.ngram)
         if matched:
             b = per_bench.setdefault(item["benchmark"], {"documents": 0, "ngrams": 0})
@@ -255,4 +256,4 @@ def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir
             b["ngrams"] += matched
             found.append({"doc_id": doc_id, **item, "matched_ngrams": matched})
     (out / "overlap.json").write_text(json.dumps(found, indent=2, sort_keys=True))
-    return {"ngram": cfg.ngram, "documents_checked": len(tokens), "remaining": dict(sorted(per_bench.items()))}
+    return {"ngram": cfg.ngram, "documents_checked": checked, "remaining": dict(sorted(per_bench.items()))}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +35,27 @@ def write_training_mix(root: Path) -> Path:
     rows = [(np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % tok.get_vocab_size() for _ in range(96)]
     mix._write(root / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
     return root
+
+
+def write_large_jsonl(path: Path, size: int, unique: int = 1000, words: int = 3000, seed: int = 0) -> int:
+    """A JSONL source of about `size` bytes: `unique` distinct documents of `words` made-up words (about
+    6.5 bytes a word; distinct enough not to be near-duplicates), then copies of them in shuffled rounds,
+    each copy with its own id; returns the line count."""
+    rng = np.random.default_rng(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pre", "den", "gar", "bel", "tor", "qu", "ix", "an"]
+    vocab = np.array(["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(20_000)])
+    docs = []
+    for i in range(unique):
+        drawn = vocab[rng.integers(0, len(vocab), size=words)]
+        text = ".\n".join(" ".join(drawn[j : j + 15]) for j in range(0, len(drawn), 15))
+        docs.append((json.dumps({"id": f"u{i}", "text": text.capitalize()}) + "\n").encode())
+    block = b"".join(docs)
+    lines = 0
+    with open(path, "wb") as f:
+        f.write(block)
+        lines += unique
+        while f.tell() < size:
+            order = rng.permutation(unique)
+            f.write(b"".join(docs[i].replace(b'"id": "u', b'"id": "r%d-u' % lines, 1) for i in order))
+            lines += unique
+    return lines

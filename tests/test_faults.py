@@ -212,3 +212,79 @@ def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_co
         assert _content(store)["ingest"] == _content(reference)["ingest"]
     finally:
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+class _MemoryCap:
+    """A cgroup (v2, else v1) with a memory limit that a child process joins before it execs; `path` is
+    None where this machine lets no cgroup be made (not root, or no memory controller)."""
+
+    def __init__(self, limit: int):
+        self.path = None
+        for root, limit_file, events in ((Path("/sys/fs/cgroup"), "memory.max", "memory.events"),
+                                         (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.oom_control")):
+            if not (root / "cgroup.procs").exists():  # not a cgroup filesystem (e.g. the tmpfs above v1's)
+                continue
+            path = root / f"moeflow-test-{os.getpid()}"
+            try:
+                path.mkdir(exist_ok=True)
+                (path / limit_file).write_text(str(limit))  # the kernel made the file, or this fails
+            except OSError:
+                if path.is_dir():
+                    path.rmdir()
+                continue
+            self.path, self.events = path, path / events
+            return
+
+    def join(self) -> None:  # in the child, before exec
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        for line in self.events.read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
+@pytest.mark.chaos
+def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_server, smoke_data, tmp_path):
+    """2 GB of JSONL (1,000 distinct ~20 KB documents and their copies) through every data stage to `mix`,
+    with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none can be made, the
+    largest process's peak RSS is held to the same bound)."""
+    import resource
+
+    from helpers import write_large_jsonl
+
+    limit = 1536 << 20
+    size = int(os.environ.get("MOEFLOW_BIG_SOURCE_BYTES", 2_000_000_000))
+    source = tmp_path / "big.jsonl"
+    lines = write_large_jsonl(source, size)
+    assert source.stat().st_size > limit
+    store = tmp_path / "store"
+    config = write_config(tmp_path / "big.yaml", store=str(store), sources=[
+        {"name": "big", "path": str(source), "format": "jsonl", "id_field": "id", "domain": "synthetic", "license": "cc0"}],
+        filter={"steps": ["length"], "overrides": {}, "shards": 2}, mix={"weights": {"synthetic": 1.0}, "phases": []})
+    cap = _MemoryCap(limit)
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run",
+                               str(config), "--until", "mix"], env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+                              capture_output=True, text=True, preexec_fn=cap.join if cap.path else None, timeout=3000)
+        assert proc.returncode == 0, (proc.returncode, (proc.stdout + proc.stderr)[-4000:])
+        if cap.path:
+            assert cap.oom_kills() == 0
+        else:  # the largest process's peak RSS (of this test process's children so far)
+            assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < limit
+    finally:
+        if cap.path:
+            cap.remove()
+    stats = {st: json.loads(p.read_text())["stats"] for st in ("ingest", "filter", "dedup", "mix")
+             for p in (store / st).glob(f"{st}-*/lineage.json")}
+    assert stats["ingest"]["documents_in"] == stats["ingest"]["documents_out"] == lines  # every line accounted for
+    assert stats["filter"]["documents_in"] == lines
+    assert stats["dedup"]["documents_in"] == stats["filter"]["documents_out"]
+    assert stats["dedup"]["documents_out"] == 1000 and stats["dedup"]["fates"]["duplicate"] == lines - 1000
+    assert stats["mix"]["train_tokens"] > 0

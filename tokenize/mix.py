@@ -37,31 +37,44 @@ def is_heldout(doc_id: str, fraction: float) -> bool:
     return xxhash.xxh3_64_intdigest(doc_id.encode()) % 1_000_000 < fraction * 1_000_000
 
 
-def pack(docs: list[tuple[str, np.ndarray, bool]], seq_len: int, eos: int, max_sequences: int | None = None):
-    """Pack (doc id, tokens, complete) into rows of seq_len+1 tokens; a partial last row is dropped.
+def pack(docs: list[tuple[str, int, bool]], seq_len: int, max_sequences: int | None = None) -> list[list[dict]]:
+    """Pack (doc id, token count, complete) into rows of seq_len+1 tokens: each row's segments; a
+    partial last row is dropped. Lengths only: `rows` fills them with tokens afterwards.
 
-    A complete document is followed by EOS, which its segment covers at `doc_offset == len(tokens)`;
+    A complete document is followed by EOS, which its segment covers at `doc_offset == length`;
     a document cut to the budget gets no EOS, since it does not end there.
     """
     width = seq_len + 1
-    rows, segments = [], []
-    buf = np.empty(width, dtype=np.int64)
+    rows: list[list[dict]] = []
     fill, segs = 0, []
-    for doc_id, toks, complete in docs:
-        toks = np.append(toks, eos) if complete else toks
+    for doc_id, length, complete in docs:
+        length += 1 if complete else 0
         off = 0
-        while off < len(toks):
-            take = min(width - fill, len(toks) - off)
-            buf[fill : fill + take] = toks[off : off + take]
+        while off < length:
+            take = min(width - fill, length - off)
             segs.append({"doc_id": doc_id, "start": fill, "doc_offset": off, "length": take})
             fill, off = fill + take, off + take
             if fill == width:
-                rows.append(buf.copy())
-                segments.append(segs)
-                buf, fill, segs = np.empty(width, dtype=np.int64), 0, []
+                rows.append(segs)
+                fill, segs = 0, []
                 if max_sequences is not None and len(rows) >= max_sequences:
-                    return rows, segments
-    return rows, segments
+                    return rows
+    return rows
+
+
+def rows(segments: list[list[dict]], tokens: dict[str, np.ndarray], eos: int) -> list[np.ndarray]:
+    """The token rows that packed segments describe (a segment past a document's last token is its EOS)."""
+    out = []
+    for segs in segments:
+        row = np.empty(sum(s["length"] for s in segs), dtype=np.int64)
+        for s in segs:
+            doc = tokens[s["doc_id"]]
+            lo, hi = s["doc_offset"], s["doc_offset"] + s["length"]
+            row[s["start"] : s["start"] + min(hi, len(doc)) - lo] = doc[lo:hi]
+            if hi > len(doc):
+                row[s["start"] + s["length"] - 1] = eos
+        out.append(row)
+    return out
 
 
 def _write(path: Path, rows, segments, domains: list[str] | None, vocab_size: int, phases: list[int] | None = None) -> None:
@@ -107,7 +120,7 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
-    tokens = read_tokens(store_dir)
+    length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
     by_domain: dict[str, list[str]] = {}
     for r in index:
         if r["tokens"] > 0:
@@ -129,13 +142,13 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
 
     rng = np.random.default_rng(seed)
     domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
-    domain_tokens = {d: sum(len(tokens[i]) + 1 for i in ids) for d, ids in train.items()}
-    all_rows, all_segments, phase_col, plan = [], [], [], []
+    domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
+    all_segments, phase_col, plan = [], [], []
     for ph in phases:
         num_sequences = ph.steps * batch_size
         budget = num_sequences * (ph.seq_len + 1)
         total_w = sum(w for w in ph.weights.values() if w > 0)
-        drawn: list[tuple[str, np.ndarray, bool]] = []
+        drawn: list[tuple[str, int, bool]] = []
         targets = {}
         for domain, weight in sorted(ph.weights.items()):
             if weight <= 0 or domain not in domains:
@@ -144,42 +157,40 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
             got, source = 0, domains[domain]
             while got < target:
                 doc_id = source.next()
-                full = tokens[doc_id]
-                take = full[: target - got]  # the last document may be cut to the budget
-                drawn.append((doc_id, take, len(take) == len(full)))
-                got += len(take) + 1
+                take = min(length[doc_id], target - got)  # the last document may be cut to the budget
+                drawn.append((doc_id, take, take == length[doc_id]))
+                got += take + 1
             if source.epochs > cfg.max_epochs:
                 field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
                 raise ConfigError(f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
                                   f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
                                   f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs")
         order = rng.permutation(len(drawn))
-        rows, segments = pack([drawn[i] for i in order], ph.seq_len, eos, max_sequences=num_sequences)
-        if len(rows) < num_sequences:
-            raise ValueError(f"mix: phase {ph.name!r} packed only {len(rows)} of {num_sequences} sequences")
+        segments = pack([drawn[i] for i in order], ph.seq_len, max_sequences=num_sequences)
+        if len(segments) < num_sequences:
+            raise ValueError(f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences")
         # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
         # fill many consecutive batches, and the loss would swing with whatever document is current.
-        perm = rng.permutation(len(rows))
-        all_rows += [rows[i] for i in perm]
+        perm = rng.permutation(len(segments))
         all_segments += [segments[i] for i in perm]
-        phase_col += [ph.index] * len(rows)
+        phase_col += [ph.index] * len(segments)
         plan.append({"name": ph.name, "start_step": ph.start_step, "steps": ph.steps, "seq_len": ph.seq_len,
-                     "sequences": len(rows), "tokens": len(rows) * (ph.seq_len + 1), "weights": ph.weights,
+                     "sequences": len(segments), "tokens": len(segments) * (ph.seq_len + 1), "weights": ph.weights,
                      "target_tokens": targets, "tokens_per_domain": _per_domain([segments[i] for i in perm], index),
                      "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs}})
-    _write(out / "train.arrow", all_rows, all_segments, None, vocab, phases=phase_col)
-
     last = phases[-1].seq_len
-    ho_rows, ho_segs, ho_domains = [], [], []
+    ho_segs, ho_domains = [], []
     for domain, ids in sorted(heldout.items()):
-        r, s = pack([(d, tokens[d], True) for d in sorted(ids)], last, eos)
-        ho_rows += r
+        s = pack([(d, length[d], True) for d in sorted(ids)], last)
         ho_segs += s
-        ho_domains += [domain] * len(r)
-    _write(out / "heldout.arrow", ho_rows, ho_segs, ho_domains, vocab)
+        ho_domains += [domain] * len(s)
+    # one pass over the store for the documents the mix uses: memory holds them and the output rows
+    tokens = read_tokens(store_dir, ids={seg["doc_id"] for segs in all_segments + ho_segs for seg in segs})
+    _write(out / "train.arrow", rows(all_segments, tokens, eos), all_segments, None, vocab, phases=phase_col)
+    _write(out / "heldout.arrow", rows(ho_segs, tokens, eos), ho_segs, ho_domains, vocab)
     per_domain = _per_domain(all_segments, index)
     return {
-        "seed": seed, "batch_size": batch_size, "seq_len": last, "train_sequences": len(all_rows),
+        "seed": seed, "batch_size": batch_size, "seq_len": last, "train_sequences": len(all_segments),
         "train_tokens": sum(p["tokens"] for p in plan), "train_tokens_per_domain": per_domain, "phases": plan,
         "plan": {d: {"documents": len(train[d]), "training_tokens_available": domain_tokens[d], "epochs": s.epochs,
                      "tokens": per_domain.get(d, 0)} for d, s in domains.items()},

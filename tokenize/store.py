@@ -111,14 +111,20 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
             "tokens_per_domain": dict(sorted(per_domain.items())), "token_type": str(ttype)}
 
 
-def read_tokens(store_dir: Path) -> dict[str, np.ndarray]:
-    """doc id -> tokens, for every document of a store (fine at the scale of a skeleton run)."""
-    out = {}
+def iter_tokens(store_dir: Path, ids: set[str] | None = None):
+    """(doc id, tokens) for every document of a store, or those in `ids`, one record batch decompressed
+    at a time: memory holds one batch and what the caller keeps, never the store."""
     for shard in sorted(Path(store_dir).glob("shard-*.arrow")):
         with pa.memory_map(str(shard)) as src:
-            table = pa.ipc.open_file(src).read_all()
-        ids = table.column("doc_id").to_pylist()
-        toks = table.column("tokens")
-        for i, doc_id in enumerate(ids):
-            out[doc_id] = toks[i].values.to_numpy()
-    return out
+            reader = pa.ipc.open_file(src)
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                toks = batch.column("tokens")
+                for i, doc_id in enumerate(batch.column("doc_id").to_pylist()):
+                    if ids is None or doc_id in ids:
+                        yield doc_id, toks[i].values.to_numpy()
+
+
+def read_tokens(store_dir: Path, ids: set[str] | None = None) -> dict[str, np.ndarray]:
+    """doc id -> tokens, for the documents in `ids` (default: all, for small stores and tests)."""
+    return dict(iter_tokens(store_dir, ids))
