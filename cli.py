@@ -11,9 +11,28 @@ STAGE_HELP = "sources, ingest, filter, dedup, benchmarks, decontaminate, tokeniz
 
 
 def _run(args) -> int:
+    import os
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from moeflow.flows.pretrain import pretrain
 
-    summary = pretrain(config=args.config, until=args.until, rerun=args.rerun or None)
+    server = None
+    if not PREFECT_API_URL.value():
+        # No server configured: start one temporary server for the run and hand its address to the shard
+        # worker processes too; left alone, Prefect starts a temporary server in every worker (~190 MB
+        # and a few seconds each).
+        from prefect.server.api.server import SubprocessASGIServer
+
+        server = SubprocessASGIServer()
+        server.start(timeout=120)
+        os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url} if server else {}):
+            summary = pretrain(config=args.config, until=args.until, rerun=args.rerun or None)
+    finally:
+        if server:
+            server.stop()
     for stage, info in summary["stages"].items():
         print(f"{stage:14s} {'reused' if info['reused'] else 'built '}  {info['artifact']}")
     print(summary["card"] or f"stopped after {args.until}")
