@@ -1,10 +1,12 @@
-"""Scale-out at one machine's cores: data stages on a process pool against Ray; training on 1 rank against 2.
+"""Scale-out at one machine's cores: data stages on a process pool against Ray and Dask; training on 1 rank against 2.
 
 Run: `python benchmarks/scale_out.py [--shards 2] [--config smoke] [--ranks 2] [--steps 30]` (fetches
-the packages it reads if needed). Data: runs the pretrain flow up to `filter` twice, in fresh artifact
-stores under a temporary Prefect server: once with `execution.runner: processes`, once with `ray` (a
-local Ray instance started by `RayTaskRunner`, `--workers` CPUs). Reports each run's wall time (Ray's
-includes starting Ray), the filter stage's own time, and `ray_over_processes`. Training: on the
+the packages it reads if needed). Data: runs the pretrain flow up to `filter` three times, in fresh artifact
+stores under a temporary Prefect server: with `execution.runner: processes`, `ray` (a local Ray
+instance started by `RayTaskRunner`, `--workers` CPUs) and `dask` (a local Dask cluster started by
+`DaskTaskRunner`, one single-threaded worker process per shard up to `--workers`). Reports each run's
+wall time (including starting Ray or Dask), the filter shards' own times, `ray_over_processes` and
+`dask_over_processes`. Training: on the
 config's mix (the process-pool store goes on to `mix`), the config's model and global batch trained by
 one process (all cores as threads) and by `--ranks` ranks under torchrun with expert parallelism (the
 cores split between them). Reports each run's median step throughput (tokens/s), `ep_efficiency`
@@ -51,7 +53,7 @@ def main() -> None:
             pass
     figures: dict = {"config": args.config, "shards": args.shards, "workers": args.workers}
     with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=90):
-        for runner in ("processes", "ray"):
+        for runner in ("processes", "ray", "dask"):
             cfg = {**base, "store": str(Path(tmp) / runner), "filter": {**base.get("filter", {}), "shards": args.shards},
                    "execution": {"runner": runner, "workers": args.workers}}
             path = Path(tmp) / f"{runner}.yaml"
@@ -68,7 +70,9 @@ def main() -> None:
         out = pretrain(config=str(Path(tmp) / "processes.yaml"), until="mix")  # reuses that store's stages
         figures.update(training(configs.load(str(Path(tmp) / "processes.yaml")), out["stages"], args, Path(tmp)))
     figures["ray_over_processes"] = round(figures["ray_wall_s"] / figures["processes_wall_s"], 3)
-    figures["same_output"] = figures["ray_filter_content_hash"] == figures["processes_filter_content_hash"]
+    figures["dask_over_processes"] = round(figures["dask_wall_s"] / figures["processes_wall_s"], 3)
+    figures["same_output"] = (figures["ray_filter_content_hash"] == figures["dask_filter_content_hash"]
+                              == figures["processes_filter_content_hash"])
     figures["ep_efficiency"] = round(figures["ep_tokens_per_s"] / figures["one_tokens_per_s"], 3)
     print(f"training: {figures['one_tokens_per_s']} tokens/s on 1 process, {figures['ep_tokens_per_s']} on "
           f"{args.ranks} expert-parallel ranks (efficiency {figures['ep_efficiency']}); all-to-all share per rank "

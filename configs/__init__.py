@@ -342,10 +342,20 @@ class ExecutionConfig(Frozen):
     """Where shard tasks run; never part of an artifact's key (the output is the same wherever it runs)."""
 
     # processes: a local process pool (threads are not offered: the filters hold the GIL, and two threads
-    # sharing spaCy's tokenizer corrupt it); ray: a Ray cluster through prefect-ray's RayTaskRunner
-    runner: Literal["processes", "ray"] = "processes"
-    workers: int | None = Field(default=None, gt=0)  # processes, or CPUs of a local Ray; default: all cores
-    ray_address: str | None = None  # an existing cluster ("ray://host:10001", "auto"); None: start a local one
+    # sharing spaCy's tokenizer corrupt it); ray: a Ray cluster through prefect-ray's RayTaskRunner;
+    # dask: a Dask cluster through prefect-dask's DaskTaskRunner (worker processes, one thread each)
+    runner: Literal["processes", "ray", "dask"] = "processes"
+    workers: int | None = Field(default=None, gt=0)  # processes, CPUs of a local Ray, local Dask workers; default: all cores
+    ray_address: str | None = None  # an existing cluster ("host:6379", "ray://host:10001", "auto"); None: start a local one
+    dask_address: str | None = None  # an existing scheduler ("tcp://host:8786"); None: start a local cluster
+
+    @model_validator(mode="after")
+    def _check(self) -> ExecutionConfig:
+        for name in ("ray", "dask"):
+            if getattr(self, f"{name}_address") and self.runner != name:
+                raise ValueError(f"execution.{name}_address is set but execution.runner is {self.runner!r}; "
+                                 f"set runner: {name}, or remove the address")
+        return self
 
 
 class RunConfig(Frozen):

@@ -44,7 +44,8 @@ def host() -> dict:
 
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
             "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "ray_node": _ray_node()}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "ray_node": _ray_node(),
+            "dask_worker": _dask_worker()}
 
 
 def _ray_node() -> str | None:
@@ -53,6 +54,18 @@ def _ray_node() -> str | None:
     if ray is None or not ray.is_initialized():
         return None
     return ray.get_runtime_context().get_node_id()
+
+
+def _dask_worker() -> str | None:
+    """The Dask worker's address when this runs inside one (shard tasks on `execution.runner: dask`)."""
+    if "distributed" not in sys.modules:
+        return None
+    from distributed import get_worker
+
+    try:
+        return get_worker().address
+    except ValueError:  # not in a worker
+        return None
 
 
 def prefect_context() -> dict:

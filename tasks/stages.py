@@ -283,6 +283,13 @@ def _runner(cfg: RunConfig, shards: int):
         if ex.ray_address:
             return RayTaskRunner(address=ex.ray_address)
         return RayTaskRunner(init_kwargs={"num_cpus": ex.workers or os.cpu_count() or 1, "include_dashboard": False})
+    if ex.runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if ex.dask_address:
+            return DaskTaskRunner(address=ex.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": min(shards, ex.workers or os.cpu_count() or 1),
+                                              "threads_per_worker": 1, "processes": True, "dashboard_address": None})
     return ProcessPoolTaskRunner(max_workers=min(shards, ex.workers or os.cpu_count() or 1))
 
 

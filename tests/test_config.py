@@ -31,6 +31,12 @@ def test_weights_summing_to_zero(tmp_path):
         configs.load(path)
 
 
+def test_a_cluster_address_for_another_runner_is_refused(tmp_path):
+    path = write_config(tmp_path / "bad.yaml", execution={"runner": "ray", "dask_address": "tcp://h:8786"})
+    with pytest.raises(configs.ConfigError, match=r"execution.dask_address is set but execution.runner is 'ray'"):
+        configs.load(str(path))
+
+
 def test_unknown_preset():
     with pytest.raises(configs.ConfigError, match="no such file or preset"):
         configs.load("huge")

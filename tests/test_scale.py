@@ -1,4 +1,5 @@
-"""Scale-out: the smoke preset's data stages on a two-node Ray cluster give the same artifacts as a process pool."""
+"""Scale-out: the smoke preset's data stages on a two-node Ray cluster, and on a Dask scheduler with two
+workers, give the same artifacts as a process pool."""
 
 import json
 import os
@@ -40,30 +41,86 @@ def ray_cluster(tmp_path_factory):
         os.environ.pop("RAY_AUTH_MODE", None)
 
 
-def test_data_stages_on_a_ray_cluster_equal_the_process_pool(prefect_server, smoke_data, ray_cluster, tmp_path):
-    import ray
+@pytest.fixture(scope="module")
+def dask_cluster():
+    """`dask scheduler` on 127.0.0.1 and two `dask worker` processes (one thread each)."""
+    dask = shutil.which("dask", path=str(Path(sys.executable).parent))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs += [subprocess.Popen([dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", f"w{i}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    from distributed import Client
 
+    try:
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(2, timeout=120)
+            workers = set(client.scheduler_info()["workers"])
+        yield address, workers
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pooled(prefect_server, smoke_data, tmp_path_factory):
+    """The smoke preset's data stages on the local process pool."""
     from moeflow.flows.pretrain import pretrain
 
-    runs = {}
-    for runner, extra in (("processes", {}), ("ray", {"ray_address": ray_cluster})):
-        config = write_config(tmp_path / f"{runner}.yaml", store=str(tmp_path / runner), filter={"shards": 2},
-                              execution={"runner": runner, "workers": 2, **extra})
-        runs[runner] = pretrain(config=str(config), until="mix")
-    assert set(runs["ray"]["stages"]) == set(DATA_STAGES)
+    tmp = tmp_path_factory.mktemp("processes")
+    config = write_config(tmp / "processes.yaml", store=str(tmp / "store"), filter={"shards": 2},
+                          execution={"runner": "processes", "workers": 2})
+    return pretrain(config=str(config), until="mix")
+
+
+def _run_on(tmp_path, **execution) -> dict:
+    from moeflow.flows.pretrain import pretrain
+
+    config = write_config(tmp_path / "cluster.yaml", store=str(tmp_path / "store"), filter={"shards": 2},
+                          execution={"workers": 2, **execution})
+    return pretrain(config=str(config), until="mix")
+
+
+def _assert_same_artifacts(run: dict, pooled: dict) -> None:
+    assert set(run["stages"]) == set(pooled["stages"]) == set(DATA_STAGES)
     for name in DATA_STAGES:  # every artifact: each file's size and xxh3 (ledger included), and the manifest hash
-        manifests = [json.loads((Path(r["stages"][name]["artifact"]) / "manifest.json").read_text())
-                     for r in runs.values()]
+        manifests = [json.loads((Path(r["stages"][name]["artifact"]) / "manifest.json").read_text()) for r in (run, pooled)]
         assert manifests[0]["files"] == manifests[1]["files"], name
         assert manifests[0]["hash"] == manifests[1]["hash"], name
+
+
+def _shard_hosts(run: dict) -> list[dict]:
+    """Each filter shard's lineage: built by a Prefect task run, on the host it records."""
+    out = []
+    for rank in range(2):
+        lineage = json.loads((Path(run["stages"][f"filter[{rank}/2]"]["artifact"]) / "lineage.json").read_text())
+        assert lineage["prefect"].get("task_run_id")
+        out.append(lineage["host"])
+    return out
+
+
+def test_data_stages_on_a_ray_cluster_equal_the_process_pool(pooled, ray_cluster, tmp_path):
+    import ray
+
+    run = _run_on(tmp_path, runner="ray", ray_address=ray_cluster)
+    _assert_same_artifacts(run, pooled)
     ray.init(address=ray_cluster)  # the cluster's nodes, to check the shards ran on them
     try:
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     finally:
         ray.shutdown()
     assert len(nodes) == 2
-    for runner, r in runs.items():  # the shards were built by Prefect task runs on the cluster's nodes, or not
-        for rank in range(2):
-            lineage = json.loads((Path(r["stages"][f"filter[{rank}/2]"]["artifact"]) / "lineage.json").read_text())
-            assert lineage["prefect"].get("task_run_id")
-            assert (lineage["host"]["ray_node"] in nodes) if runner == "ray" else lineage["host"]["ray_node"] is None
+    assert all(h["ray_node"] in nodes for h in _shard_hosts(run))
+    assert all(h["ray_node"] is None and h["dask_worker"] is None for h in _shard_hosts(pooled))
+
+
+def test_data_stages_on_a_dask_cluster_equal_the_process_pool(pooled, dask_cluster, tmp_path):
+    address, workers = dask_cluster
+    run = _run_on(tmp_path, runner="dask", dask_address=address)
+    _assert_same_artifacts(run, pooled)
+    assert all(h["dask_worker"] in workers for h in _shard_hosts(run))
