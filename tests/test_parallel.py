@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,44 @@ def test_two_ranks_with_expert_parallelism_give_the_single_process_run(data, sin
 def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data, single, tmp_path):
     _torchrun(data, tmp_path, expert_parallel=False)
     _assert_same_run(single[0], tmp_path)
+
+
+def test_two_nodes_started_as_the_readme_says_give_the_single_process_run(data, single, tmp_path):
+    """nnodes 2 on one machine: node 0 is the train stage's launch; node 1 runs the command it logs, with
+    --node-rank=1 (the spec it names is in the shared work folder)."""
+    import socket
+    import subprocess
+    import threading
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"})
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    result: dict = {}
+
+    def node0() -> None:
+        try:
+            result["summary"] = launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=work)
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=node0)
+    thread.start()
+    spec = work / launch.SPEC
+    for _ in range(600):
+        if spec.exists() or not thread.is_alive():
+            break
+        time.sleep(0.1)
+    cmd = [a.replace("--node-rank=0", "--node-rank=1") for a in launch.command(cfg, spec)]
+    node1 = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    thread.join(timeout=600)
+    assert "error" not in result, result.get("error")
+    assert node1.returncode == 0, node1.stdout[-2000:] + node1.stderr[-2000:]
+    _assert_same_run(single[0], out)
+    d = result["summary"]["distributed"]
+    assert d["world_size"] == 2 and d["nnodes"] == 2
 
 
 def test_an_interrupted_torchrun_resumes_from_its_last_checkpoint(data, tmp_path):
