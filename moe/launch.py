@@ -30,7 +30,8 @@ SPEC, RESULT = "launch.json", "launch-result.json"
 _ERROR = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Alarm)\b: .*)$")  # a rank's exception line
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,7 +41,7 @@ def command(cfg: TrainConfig, spec: Path) -> list[str]:
     d = cfg.distributed
     endpoint = d.rdzv_endpoint
     if endpoint.endswith(":0"):
-        endpoint = f"{endpoint[:-2]}:{_free_port()}"
+        endpoint = f"{endpoint[:-2]}:{free_port()}"
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={d.nproc_per_node}", f"--nnodes={d.nnodes}",
             f"--node-rank={d.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--max-restarts=0",
             "-m", "moeflow.moe.launch", str(spec)]

@@ -277,20 +277,21 @@ def _runner(cfg: RunConfig, shards: int):
     hold the GIL, and spaCy's tokenizer (datatrove's word splitter) corrupts its vocabulary when two
     threads share it."""
     ex = cfg.execution
+    workers = ex.workers or os.cpu_count() or 1
     if ex.runner == "ray":
         from prefect_ray import RayTaskRunner
 
         if ex.ray_address:
             return RayTaskRunner(address=ex.ray_address)
-        return RayTaskRunner(init_kwargs={"num_cpus": ex.workers or os.cpu_count() or 1, "include_dashboard": False})
+        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
     if ex.runner == "dask":
         from prefect_dask import DaskTaskRunner
 
         if ex.dask_address:
             return DaskTaskRunner(address=ex.dask_address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": min(shards, ex.workers or os.cpu_count() or 1),
-                                              "threads_per_worker": 1, "processes": True, "dashboard_address": None})
-    return ProcessPoolTaskRunner(max_workers=min(shards, ex.workers or os.cpu_count() or 1))
+        return DaskTaskRunner(cluster_kwargs={"n_workers": min(shards, workers), "threads_per_worker": 1,
+                                              "processes": True, "dashboard_address": None})
+    return ProcessPoolTaskRunner(max_workers=min(shards, workers))
 
 
 def _cache_key(context, parameters: dict) -> str:

@@ -23,13 +23,15 @@ DETERMINISTIC = ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "to
                  "evaluate")
 
 
-def _start(config: Path, *args: str) -> subprocess.Popen:
+def _start(config: Path, *args: str, preexec_fn=None) -> subprocess.Popen:
+    """`moeflow run CONFIG ARGS` against the session's server, in its own process group, output merged;
+    `preexec_fn` runs in the child before it execs (a resource limit, joining a cgroup)."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     return subprocess.Popen([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())",
                              "run", str(config), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=preexec_fn)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -180,13 +182,10 @@ def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tm
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
-    from prefect.settings import PREFECT_API_URL
-
-    proc = subprocess.run([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run",
-                           str(config), "--until", "ingest"], env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-                          capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    proc = _start(config, "--until", "ingest", preexec_fn=limit)
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0
-    assert "ingest: the artifact store ran out of space" in proc.stdout + proc.stderr
+    assert "ingest: the artifact store ran out of space" in out
     assert not [p for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")]  # no artifact, no staging
 
 
@@ -267,13 +266,8 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
         {"name": "big", "path": str(source), "format": "jsonl", "id_field": "id", "domain": "synthetic", "license": "cc0"}],
         filter={"steps": ["length"], "overrides": {}, "shards": 2}, mix={"weights": {"synthetic": 1.0}, "phases": []})
     cap = _MemoryCap(limit)
-    from prefect.settings import PREFECT_API_URL
-
     try:
-        proc = subprocess.run([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run",
-                               str(config), "--until", "mix"], env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-                              capture_output=True, text=True, preexec_fn=cap.join if cap.path else None, timeout=3000)
-        assert proc.returncode == 0, (proc.returncode, (proc.stdout + proc.stderr)[-4000:])
+        _finish(_start(config, "--until", "mix", preexec_fn=cap.join if cap.path else None), timeout=3000)
         if cap.path:
             assert cap.oom_kills() == 0
         else:  # the largest process's peak RSS (of this test process's children so far)

@@ -78,14 +78,11 @@ def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data
 def test_two_nodes_started_as_the_readme_says_give_the_single_process_run(data, single, tmp_path):
     """nnodes 2 on one machine: node 0 is the train stage's launch; node 1 runs the command it logs, with
     --node-rank=1 (the spec it names is in the shared work folder)."""
-    import socket
     import subprocess
     import threading
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"})
+    cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 1, "nnodes": 2,
+                                           "rdzv_endpoint": f"127.0.0.1:{launch.free_port()}"})
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     result: dict = {}

@@ -4,7 +4,6 @@ workers, give the same artifacts as a process pool."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import write_config
+from moeflow.moe.launch import free_port
 
 DATA_STAGES = ("sources", "ingest", "filter[0/2]", "filter[1/2]", "filter", "dedup", "benchmarks", "decontaminate",
                "tokenizer", "tokenize", "overlap", "mix")
@@ -21,9 +21,7 @@ DATA_STAGES = ("sources", "ingest", "filter[0/2]", "filter[1/2]", "filter", "ded
 def ray_cluster(tmp_path_factory):
     """A head and a worker node started with `ray start` on 127.0.0.1, one CPU each: two Ray workers."""
     ray = shutil.which("ray", path=str(Path(sys.executable).parent))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     address = f"127.0.0.1:{port}"
     # token auth (Ray's default) would need the head's token handed to the worker; the cluster is local
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -45,9 +43,7 @@ def ray_cluster(tmp_path_factory):
 def dask_cluster():
     """`dask scheduler` on 127.0.0.1 and two `dask worker` processes (one thread each)."""
     dask = shutil.which("dask", path=str(Path(sys.executable).parent))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
