@@ -244,6 +244,10 @@ class _MemoryCap:
         return 0
 
     def remove(self) -> None:
+        """Once the last process in it has exited (a run's workers may outlive its main process by a moment)."""
+        deadline = time.monotonic() + 60
+        while (self.path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.path.rmdir()
 
 
