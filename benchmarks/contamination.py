@@ -105,7 +105,9 @@ def main() -> None:
             insert = text
         insert, how = perturb(insert, rng)
         words = len(contamination.words(insert))
-        cases.append((plant(rng.choice(clean), insert, rng, kind == "embedded"), True, f"{kind}/{how}", words))
+        cases.append(
+            (plant(rng.choice(clean), insert, rng, kind == "embedded"), True, f"{kind}/{how}", words)
+        )
     for _ in range(args.positives):
         spans = []
         for bench in rng.sample(sorted(items), 3):
@@ -135,21 +137,32 @@ def main() -> None:
     hits_long = sum(map(hit_of, multi_long))
     hits_multi = hits_long + sum(map(hit_of, [c for c in multi if c[3] < n]))
     figures = {
-        "config": cfg.name, "ngram": n, "benchmarks": len(cfg.benchmarks), "items": sum(len(v) for v in items.values()),
-        "ngrams_indexed": built["ngrams"], "index_build_s": round(build_s, 1),
-        "carriers": len(docs), "carriers_flagged_before_planting": len(docs) - len(clean),
-        "planted_positives": sum(c[1] for c in cases), "negatives": sum(not c[1] for c in cases),
-        "precision": round(tp / max(1, tp + fp), 4), "recall": round(tp / max(1, tp + fn), 4),
+        "config": cfg.name,
+        "ngram": n,
+        "benchmarks": len(cfg.benchmarks),
+        "items": sum(len(v) for v in items.values()),
+        "ngrams_indexed": built["ngrams"],
+        "index_build_s": round(build_s, 1),
+        "carriers": len(docs),
+        "carriers_flagged_before_planting": len(docs) - len(clean),
+        "planted_positives": sum(c[1] for c in cases),
+        "negatives": sum(not c[1] for c in cases),
+        "precision": round(tp / max(1, tp + fp), 4),
+        "recall": round(tp / max(1, tp + fn), 4),
         "recall_multi_sentence": round(hits_multi / max(1, len(multi)), 4),
         "recall_multi_sentence_at_least_n_words": round(hits_long / max(1, len(multi_long)), 4),
         "multi_sentence_fragments_shorter_than_n_words": len(multi) - len(multi_long),
         "detected_by_kind": {k: f"{h}/{t}" for k, (h, t) in sorted(by_kind.items())},
-        "check_mb": round(mb, 1), "check_mb_per_s_per_core": round(mb / check_s, 2),
+        "check_mb": round(mb, 1),
+        "check_mb_per_s_per_core": round(mb / check_s, 2),
     }
-    print(f"precision {figures['precision']}, recall {figures['recall']} (multi-sentence fragments: "
-          f"{figures['recall_multi_sentence']}; those of >= {n} words: {figures['recall_multi_sentence_at_least_n_words']}); "
-          f"check {figures['check_mb_per_s_per_core']} MB/s on one core; index of {built['ngrams']:,} n-grams "
-          f"built in {figures['index_build_s']} s")
+    print(
+        f"precision {figures['precision']}, recall {figures['recall']} (multi-sentence fragments: "
+        f"{figures['recall_multi_sentence']}; those of >= {n} words: "
+        f"{figures['recall_multi_sentence_at_least_n_words']}); "
+        f"check {figures['check_mb_per_s_per_core']} MB/s on one core; index of {built['ngrams']:,} n-grams "
+        f"built in {figures['index_build_s']} s"
+    )
     print(json.dumps(figures))
 
 

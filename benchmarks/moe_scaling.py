@@ -1,11 +1,12 @@
-"""MoE layer throughput: expert-count scaling at fixed active parameters, against a dense MLP, against a per-token loop.
+"""MoE layer throughput: expert-count scaling at fixed active parameters; dense MLP and per-token baselines.
 
-Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R]` (default 4096 and 16384 tokens). Forward + backward tokens/s of the
-reference dropless layer (H=256, F=512, top-2, SwiGLU, fp32, all cores) for 8, 16, 32 and 64
-experts; the same layer against a dense SwiGLU MLP of equal active width (2 x 512) done in bare
-PyTorch; and against a per-token Python loop over the same weights (a sanity floor). Each figure
-is the fastest of `repeats` timed passes after two warm-up passes (the least disturbed one). The last
-line printed is one JSON object; `*_ratio` figures compare with the bare-PyTorch dense MLP.
+Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R]` (default 4096 and 16384 tokens).
+Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2, SwiGLU, fp32, all
+cores) for 8, 16, 32 and 64 experts; the same layer against a dense SwiGLU MLP of equal active width
+(2 x 512) done in bare PyTorch; and against a per-token Python loop over the same weights (a sanity
+floor). Each figure is the fastest of `repeats` timed passes after two warm-up passes (the least
+disturbed one). The last line printed is one JSON object; `*_ratio` figures compare with the
+bare-PyTorch dense MLP.
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ def scaling(tokens: int, repeats: int) -> dict[str, float]:
     for e in (16, 32, 64):
         out[f"e{e}_vs_e8"] = round(out[f"e{e}_tokens_per_s"] / out["e8_tokens_per_s"], 3)
     out["moe_e8_vs_dense_ratio"] = round(out["e8_tokens_per_s"] / out["dense_tokens_per_s"], 3)
-    print(f"{tokens:6d} tokens: dense {out['dense_tokens_per_s']:.0f} tokens/s; " + "; ".join(
-        f"{e} experts {out[f'e{e}_tokens_per_s']:.0f}" for e in (8, 16, 32, 64))
-          + f"; 64 vs 8 experts {out['e64_vs_e8']}; MoE(8) / dense {out['moe_e8_vs_dense_ratio']}", flush=True)
+    print(
+        f"{tokens:6d} tokens: dense {out['dense_tokens_per_s']:.0f} tokens/s; "
+        + "; ".join(f"{e} experts {out[f'e{e}_tokens_per_s']:.0f}" for e in (8, 16, 32, 64))
+        + f"; 64 vs 8 experts {out['e64_vs_e8']}; MoE(8) / dense {out['moe_e8_vs_dense_ratio']}",
+        flush=True,
+    )
     return out
 
 
@@ -79,7 +83,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    figures: dict[str, float] = {"threads": torch.get_num_threads(), "hidden": H, "expert_hidden": F, "top_k": K}
+    figures: dict[str, float] = {
+        "threads": torch.get_num_threads(),
+        "hidden": H,
+        "expert_hidden": F,
+        "top_k": K,
+    }
     for tokens in args.tokens:
         figures.update({f"t{tokens}_{k}": v for k, v in scaling(tokens, args.repeats).items()})
     layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=8, top_k=K, expert_hidden=F))

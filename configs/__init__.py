@@ -25,6 +25,12 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def operational(default, **kwargs):
+    """A field that changes how a stage runs or reports, never what it writes (logging cadence, alarms,
+    peak FLOPs, checkpoint retention, world size): it is handed to the stage but kept out of its key."""
+    return Field(default=default, json_schema_extra={"operational": True}, **kwargs)
+
+
 class Format(str, Enum):
     text = "text"  # one document per file (.gz / .zst decompressed by extension)
     jsonl = "jsonl"  # one JSON object per line (.gz / .zst decompressed by extension)
@@ -56,13 +62,18 @@ class BenchmarkConfig(Frozen):
 
 
 # datatrove blocks whose keyword arguments a config passes through as they are
-DATATROVE_FILTERS = {"gopher_quality": "GopherQualityFilter", "c4": "C4QualityFilter", "fineweb": "FineWebQualityFilter"}
+DATATROVE_FILTERS = {
+    "gopher_quality": "GopherQualityFilter",
+    "c4": "C4QualityFilter",
+    "fineweb": "FineWebQualityFilter",
+}
 
 
 class FilterConfig(Frozen):
     # the filters, in order; the first that rejects a document gives its reason (`<step>.<reason>`)
-    steps: tuple[Literal["language", "length", "gopher_repetition", "gopher_quality", "c4", "fineweb"], ...] = (
-        "language", "length", "gopher_repetition")
+    steps: tuple[
+        Literal["language", "length", "gopher_repetition", "gopher_quality", "c4", "fineweb"], ...
+    ] = ("language", "length", "gopher_repetition")
     # fastText language identification (lid.176): keep documents whose top language is listed, with
     # at least `language_threshold` probability; None: the `language` step passes everything
     languages: tuple[str, ...] | None = None
@@ -78,7 +89,14 @@ class FilterConfig(Frozen):
     dup_line_char_frac: float | None = 0.2
     dup_para_char_frac: float | None = 0.2
     top_n_grams: tuple[tuple[int, float], ...] = ((2, 0.2), (3, 0.18), (4, 0.16))
-    dup_n_grams: tuple[tuple[int, float], ...] = ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.1))
+    dup_n_grams: tuple[tuple[int, float], ...] = (
+        (5, 0.15),
+        (6, 0.14),
+        (7, 0.13),
+        (8, 0.12),
+        (9, 0.11),
+        (10, 0.1),
+    )
     # keyword arguments of datatrove's GopherQualityFilter, C4QualityFilter (which rewrites the text:
     # it removes lines) and FineWebQualityFilter, as datatrove names them; unset: datatrove's defaults
     gopher_quality: dict[str, float | int | bool | None] = {}
@@ -88,7 +106,7 @@ class FilterConfig(Frozen):
     overrides: dict[str, dict] = {}
     # record shards the stage is split into: each a Prefect task, cached and resumable on its own;
     # independent of the core count, and the merged output is the same whatever the count
-    shards: int = Field(default=1, ge=1)
+    shards: int = operational(1, ge=1)
 
     @field_validator("gopher_quality", "c4", "fineweb")
     @classmethod
@@ -113,7 +131,9 @@ class FilterConfig(Frozen):
             try:
                 self.resolved(key)
             except ValidationError as e:
-                problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+                )
                 raise ValueError(f"overrides.{key}: {problems}") from None
         return self
 
@@ -229,7 +249,9 @@ class ModelConfig(Frozen):
     capacity_factor: float | None = Field(default=None, gt=0)
     moe_every: int = Field(default=1, ge=1)  # an MoE FFN in every k-th layer (counted after the dense ones)
     dense_layers: int = Field(default=0, ge=0)  # the first N layers use a dense MLP
-    dense_hidden: int | None = Field(default=None, gt=0)  # default: top_k * expert_hidden (equal active width)
+    dense_hidden: int | None = Field(
+        default=None, gt=0
+    )  # default: top_k * expert_hidden (equal active width)
     router_jitter: float = Field(default=0.0, ge=0, lt=1)  # multiplicative input noise while training
     normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
 
@@ -244,7 +266,9 @@ class ModelConfig(Frozen):
         if self.dense_layers > self.n_layers:
             raise ValueError("dense_layers must be <= n_layers")
         if self.backend == "megablocks" and self.capacity_factor is not None:
-            raise ValueError("capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless")
+            raise ValueError(
+                "capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless"
+            )
         return self
 
     def is_moe(self, layer: int) -> bool:
@@ -254,7 +278,9 @@ class ModelConfig(Frozen):
 class AlarmConfig(Frozen):
     window: int = Field(default=20, ge=2)  # steps of history the bands are computed from
     loss_spike: float = Field(default=0.5, gt=0)  # alarm when loss > (1 + this) x the window's median
-    grad_norm_sigma: float = Field(default=6.0, gt=0)  # alarm when grad norm > mean + sigma x std of the window
+    grad_norm_sigma: float = Field(
+        default=6.0, gt=0
+    )  # alarm when grad norm > mean + sigma x std of the window
     grad_norm_ratio: float = Field(default=1.5, ge=1)  # ... and > this x the window's mean (a quiet window's
     # std is tiny, and small wobbles would otherwise alarm)
     stop: bool = False  # stop the run (failing the stage) on the first alarm
@@ -276,9 +302,14 @@ class DistributedConfig(Frozen):
     @model_validator(mode="after")
     def _check(self) -> DistributedConfig:
         if self.node_rank >= self.nnodes:
-            raise ValueError(f"train.distributed.node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+            raise ValueError(
+                f"train.distributed.node_rank={self.node_rank} must be below nnodes={self.nnodes}"
+            )
         if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
-            raise ValueError("train.distributed.rdzv_endpoint needs a fixed host:port that every node can reach when nnodes > 1")
+            raise ValueError(
+                "train.distributed.rdzv_endpoint needs a fixed host:port that every node can reach "
+                "when nnodes > 1"
+            )
         return self
 
 
@@ -298,12 +329,14 @@ class TrainConfig(Frozen):
     load_balance_coef: float = Field(default=0.01, ge=0)
     router_z_coef: float = Field(default=0.001, ge=0)
     logit_z_coef: float = Field(default=0.0, ge=0)  # z-loss on the LM head's logits
-    checkpoint_every: int = Field(default=100, gt=0)
-    keep_checkpoints: int = Field(default=2, ge=1)
-    peak_tflops: float | None = Field(default=None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
-    log_every: int = Field(default=10, gt=0)
-    alarms: AlarmConfig = AlarmConfig()
-    distributed: DistributedConfig = DistributedConfig()
+    # exact resume makes the checkpoint cadence invisible in the weights
+    checkpoint_every: int = operational(100, gt=0)
+    keep_checkpoints: int = operational(2, ge=1)
+    peak_tflops: float | None = operational(None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
+    log_every: int = operational(10, gt=0)
+    alarms: AlarmConfig = operational(AlarmConfig())
+    # one checkpoint serves any number of ranks
+    distributed: DistributedConfig = operational(DistributedConfig())
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -311,9 +344,23 @@ class TrainConfig(Frozen):
             raise ValueError("batch_size must be divisible by grad_accum")
         world = self.distributed.world_size
         if (self.batch_size // self.grad_accum) % world:
-            raise ValueError(f"train.batch_size / grad_accum = {self.batch_size // self.grad_accum} sequences per micro-batch "
-                             f"must split evenly over the {world} ranks of train.distributed")
+            raise ValueError(
+                f"train.batch_size / grad_accum = {self.batch_size // self.grad_accum} sequences "
+                f"per micro-batch must split evenly over the {world} ranks of train.distributed"
+            )
         return self
+
+
+class TrainStageConfig(Frozen):
+    """What the train stage and each ladder rung receive.
+
+    The model, the run, the seed, the band's tolerance.
+    """
+
+    model: ModelConfig
+    train: TrainConfig
+    seed: int
+    band_tolerance: float = operational(0.05, ge=0)  # the ladder band's extra width (alarms only)
 
 
 class LadderConfig(Frozen):
@@ -325,7 +372,9 @@ class LadderConfig(Frozen):
     budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
     min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
     bootstrap: int = Field(default=200, ge=10)  # resamples of the rungs for the prediction's band
-    band_tolerance: float = Field(default=0.05, ge=0)  # extra relative width of the monitor's band
+    band_tolerance: float = operational(
+        0.05, ge=0
+    )  # extra relative width of the monitor's band (alarms only)
 
     @model_validator(mode="after")
     def _check(self) -> LadderConfig:
@@ -345,16 +394,20 @@ class ExecutionConfig(Frozen):
     # sharing spaCy's tokenizer corrupt it); ray: a Ray cluster through prefect-ray's RayTaskRunner;
     # dask: a Dask cluster through prefect-dask's DaskTaskRunner (worker processes, one thread each)
     runner: Literal["processes", "ray", "dask"] = "processes"
-    workers: int | None = Field(default=None, gt=0)  # processes, CPUs of a local Ray, local Dask workers; default: all cores
-    ray_address: str | None = None  # an existing cluster ("host:6379", "ray://host:10001", "auto"); None: start a local one
+    workers: int | None = Field(
+        default=None, gt=0
+    )  # processes, CPUs of a local Ray, local Dask workers; default: all cores
+    ray_address: str | None = None
     dask_address: str | None = None  # an existing scheduler ("tcp://host:8786"); None: start a local cluster
 
     @model_validator(mode="after")
     def _check(self) -> ExecutionConfig:
         for name in ("ray", "dask"):
             if getattr(self, f"{name}_address") and self.runner != name:
-                raise ValueError(f"execution.{name}_address is set but execution.runner is {self.runner!r}; "
-                                 f"set runner: {name}, or remove the address")
+                raise ValueError(
+                    f"execution.{name}_address is set but execution.runner is {self.runner!r}; "
+                    f"set runner: {name}, or remove the address"
+                )
         return self
 
 
@@ -383,22 +436,35 @@ class RunConfig(Frozen):
         domains = {s.domain for s in self.sources}
         unknown = sorted(set(self.mix.weights) - domains)
         if unknown:
-            raise ValueError(f"mix.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+            raise ValueError(
+                f"mix.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}"
+            )
         for i, phase in enumerate(self.mix.phases):
             unknown = sorted(set(phase.weights or {}) - domains)
             if unknown:
-                raise ValueError(f"mix.phases.{i}.weights names unknown domains {unknown}; the sources' domains are {sorted(domains)}")
+                raise ValueError(
+                    f"mix.phases.{i}.weights names unknown domains {unknown}; "
+                    f"the sources' domains are {sorted(domains)}"
+                )
         dist = self.train.distributed
         if dist.world_size > 1 and self.model.backend != "torch":
-            raise ValueError(f"train.distributed runs the reference MoE layer: set model.backend: torch (got {self.model.backend!r})")
+            raise ValueError(
+                f"train.distributed runs the reference MoE layer: set model.backend: torch "
+                f"(got {self.model.backend!r})"
+            )
         if dist.world_size > 1 and dist.expert_parallel and self.model.num_experts % dist.world_size:
-            raise ValueError(f"model.num_experts={self.model.num_experts} cannot be split over the {dist.world_size} ranks of "
-                             "train.distributed: choose a rank count that divides it, or set expert_parallel: false")
+            raise ValueError(
+                f"model.num_experts={self.model.num_experts} cannot be split over the {dist.world_size} "
+                "ranks of train.distributed: choose a rank count that divides it, "
+                "or set expert_parallel: false"
+            )
         self.phases()  # budgets must add up to the run
         unknown = sorted(set(self.filter.overrides) - domains - set(names))
         if unknown:
-            raise ValueError(f"filter.overrides names {unknown}, neither a domain nor a source; "
-                             f"domains: {sorted(domains)}, sources: {names}")
+            raise ValueError(
+                f"filter.overrides names {unknown}, neither a domain nor a source; "
+                f"domains: {sorted(domains)}, sources: {names}"
+            )
         return self
 
     def phases(self) -> list[Phase]:
@@ -414,16 +480,29 @@ class RunConfig(Frozen):
             elif i == len(specs) - 1:
                 steps = t.steps - start
             else:
-                raise ValueError(f"mix.phases.{i} ({p.name}): give `fraction` or `tokens` (only the last phase may give neither)")
+                raise ValueError(
+                    f"mix.phases.{i} ({p.name}): give `fraction` or `tokens` "
+                    "(only the last phase may give neither)"
+                )
             if i == len(specs) - 1 and p.fraction is not None and abs(start + steps - t.steps) <= 1:
                 steps = t.steps - start  # rounding of fractions goes to the last phase
             if steps < 1:
                 raise ValueError(f"mix.phases.{i} ({p.name}): its budget is less than one step")
-            out.append(Phase(name=p.name, index=i, steps=steps, start_step=start, seq_len=seq_len,
-                             weights=p.weights or self.mix.weights))
+            out.append(
+                Phase(
+                    name=p.name,
+                    index=i,
+                    steps=steps,
+                    start_step=start,
+                    seq_len=seq_len,
+                    weights=p.weights or self.mix.weights,
+                )
+            )
             start += steps
         if start != t.steps:
-            raise ValueError(f"mix.phases: the phases' budgets come to {start} steps, but train.steps is {t.steps}")
+            raise ValueError(
+                f"mix.phases: the phases' budgets come to {start} steps, but train.steps is {t.steps}"
+            )
         return out
 
     def store_path(self) -> Path:
@@ -463,6 +542,7 @@ def load(name_or_path: str | os.PathLike, **overrides) -> RunConfig:
         return RunConfig(**data)
     except ValidationError as e:
         problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}" for err in e.errors()
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(top level)'}': {err['msg']}"
+            for err in e.errors()
         )
         raise ConfigError(f"{path}: {problems}") from None

@@ -1,4 +1,4 @@
-"""Benchmark contamination: an index of normalised word n-grams of test items, and the check of documents against it.
+"""Benchmark contamination: an index of normalised word n-grams of test items; documents checked against it.
 
 Normalisation: lower-case, words are `\\w+` runs (punctuation and whitespace ignored). An n-gram's
 hash combines its words' xxh3 hashes with a polynomial over uint64, computed for all windows at
@@ -6,6 +6,9 @@ once in numpy. Items with fewer than n words contribute no n-gram (issue #4 refi
 Left out of the index, as too common to signal a leak: n-grams found in more than
 `max_items_per_ngram` items, and n-grams with fewer than `min_alpha_words` non-numeric words
 (runs of numbers match unrelated tables and logs).
+Cut mode removes matched words from the original text: each normalised word is mapped back to the
+characters it came from (`word_spans`), which lower-casing can shift ('İ' lower-cases to two
+characters); a document whose words cannot be placed is quarantined, not cut.
 """
 
 from __future__ import annotations
@@ -29,14 +32,51 @@ from moeflow.documents import DocWriter, count_docs, iter_docs
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import fetch
 
-VERSION = 2
-INDEX_VERSION = 3
 _WORD = re.compile(r"\w+")
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: the polynomial base of the rolling hash
 
 
+class Unmappable(ValueError):
+    """A document's matched windows cannot be placed on its own characters (cut mode quarantines it)."""
+
+
+def _normalised(text: str) -> str:
+    """What the index sees of a text: the text lower-cased. Its words are the `_WORD` runs in this one
+    string, for hashing (`words`) and for cutting (`word_spans`) alike, so word i is the same in both."""
+    return text.lower()
+
+
 def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+    return _WORD.findall(_normalised(text))
+
+
+def _lowered_ends(text: str, low: str) -> np.ndarray:
+    """End offset in `low` of each character of `text`. lower() maps character by character (final
+    sigma, its one context rule, picks between two one-character forms), but some characters grow:
+    'İ' becomes 'i' and a combining dot. Only non-ASCII characters can, so only they are looked at."""
+    lens = np.ones(len(text), dtype=np.int64)
+    for m in _NON_ASCII.finditer(text):
+        lens[m.start()] = len(m.group().lower())
+    if int(lens.sum()) != len(low):
+        raise Unmappable(f"lower-casing gives {len(low)} characters, "
+                         f"character by character {int(lens.sum())}")
+    return np.cumsum(lens)
+
+
+def word_spans(text: str) -> np.ndarray:
+    """(start, end) in `text` itself of each of `words(text)`, in order (shape (words, 2))."""
+    low = _normalised(text)
+    spans = np.array([m.span() for m in _WORD.finditer(low)], dtype=np.int64).reshape(-1, 2)
+    if len(low) == len(text):  # no character changed length: offsets in `low` are offsets in `text`
+        return spans
+    ends = _lowered_ends(text, low)
+    # a word's first character lies in the original character whose lowered form covers it, and
+    # likewise its last: a word that starts inside an expansion (the 'stanbul' of 'İstanbul') keeps
+    # the characters after it, and the 'i' before it maps to the whole 'İ'
+    first = np.searchsorted(ends, spans[:, 0], side="right")
+    last = np.searchsorted(ends, spans[:, 1] - 1, side="right")
+    return np.stack([first, last + 1], axis=1)
 
 
 def window_hashes(toks: list[str], n: int) -> np.ndarray:
@@ -77,7 +117,8 @@ def _strings(value) -> Iterator[str]:
 def _members(bench: BenchmarkConfig, z: zipfile.ZipFile) -> list[str]:
     names = sorted(n for n in z.namelist() if fnmatch.fnmatch(n, bench.path))
     if not names:
-        raise ValueError(f"benchmark {bench.name!r}: no file in package {bench.package} matches {bench.path!r}")
+        raise ValueError(f"benchmark {bench.name!r}: no file in package {bench.package} "
+                         f"matches {bench.path!r}")
     return names
 
 
@@ -96,7 +137,8 @@ def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
                 where = "/".join(Path(name).parts[-3:-1])
                 table = pa.ipc.open_stream(raw).read_all()
                 ids = table.column("id").to_pylist() if "id" in table.column_names else None
-                records = ((f"{where}#{ids[i] if ids else i}", row) for i, row in enumerate(table.to_pylist()))
+                records = ((f"{where}#{ids[i] if ids else i}", row)
+                           for i, row in enumerate(table.to_pylist()))
             else:
                 lines = gzip.decompress(raw).decode("utf-8").splitlines()
                 records = ((str(r["doc_id"]), r["doc"]) if "doc_id" in r else (str(r["task_id"]), r)
@@ -108,14 +150,22 @@ def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
                 yield item_id, "\n".join(_strings(doc))
 
 
+def index_stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `benchmarks` stage's body: `s` holds the benchmarks and the three settings the index reads."""
+    cfg = DecontamConfig(ngram=s["ngram"], max_items_per_ngram=s["max_items_per_ngram"],
+                         min_alpha_words=s["min_alpha_words"])
+    return build_index(s["benchmarks"], cfg, out)
+
+
 def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, out: Path) -> dict:
     """Write `index.npz` (sorted n-gram hashes, item row per hash) and `items.parquet`."""
     item_rows: dict[str, list] = {"benchmark": [], "split": [], "item_id": []}
     hashes, owners = [], []
     per_bench: dict[str, dict] = {}
     for bench in benchmarks:
-        stats = per_bench.setdefault(bench.name, {"items": 0, "items_too_short": 0, "ngrams": 0, "split": bench.split,
-                                                   "package": bench.package, "path": bench.path})
+        stats = per_bench.setdefault(bench.name, {"items": 0, "items_too_short": 0, "ngrams": 0,
+                                                   "split": bench.split, "package": bench.package,
+                                                   "path": bench.path})
         for item_id, text in items(bench):
             h = np.unique(ngram_hashes(text, cfg.ngram, min_alpha=cfg.min_alpha_words))
             row = len(item_rows["item_id"])
@@ -183,12 +233,18 @@ class Index:
         if not hit.any():
             return 0, None, np.empty(0, dtype=np.int64)
         owners = self.owners[pos[hit]]
-        return int(np.unique(h[hit]).size), self.items[int(np.bincount(owners).argmax())], np.flatnonzero(hit)
+        item = self.items[int(np.bincount(owners).argmax())]
+        return int(np.unique(h[hit]).size), item, np.flatnonzero(hit)
 
 
 def cut(text: str, starts: np.ndarray, n: int, margin: int) -> tuple[list[str], int]:
-    """The pieces of `text` left after removing each matched n-gram's characters +- margin; chars removed."""
-    spans = [m.span() for m in _WORD.finditer(text)]
+    """The pieces of `text` left after removing each matched n-gram's characters +- margin; chars removed.
+
+    `starts` index `words(text)`; raises Unmappable when they do not fit its spans."""
+    spans = word_spans(text).tolist()
+    if starts.size and (int(starts.min()) < 0 or int(starts.max()) + n > len(spans)):
+        raise Unmappable(f"windows of {n} words start at words {int(starts.min())}..{int(starts.max())}, "
+                         f"but the text has {len(spans)} words")
     removed: list[list[int]] = []
     for i in starts.tolist():
         a, b = max(0, spans[i][0] - margin), min(len(text), spans[i + n - 1][1] + margin)
@@ -204,13 +260,19 @@ def cut(text: str, starts: np.ndarray, n: int, margin: int) -> tuple[list[str], 
     return [p for p in pieces if p.strip()], sum(b - a for a, b in removed)
 
 
+def stage(cfg: DecontamConfig, inputs: dict, out: Path) -> dict:
+    """The `decontaminate` stage's body: its `docs` input against the `index` input."""
+    return run(cfg, inputs["docs"].dir, inputs["index"].dir, out)
+
+
 def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict:
     index = Index(index_dir)
     ledger = Ledger("decontaminate")
     per_bench: dict[str, dict] = {}
     n_in = 0
     with DocWriter(out) as writer:
-        for row in tqdm(iter_docs(docs_dir), total=count_docs(docs_dir), desc="decontaminate", unit="doc", mininterval=5):
+        for row in tqdm(iter_docs(docs_dir), total=count_docs(docs_dir), desc="decontaminate", unit="doc",
+                        mininterval=5):
             n_in += 1
             matched, item, starts = index.matches(row["text"], cfg.ngram)
             if matched < cfg.min_matches:
@@ -218,9 +280,16 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict
                 ledger.kept(row["id"])
                 continue
             found = {**item, "matched_ngrams": matched}
+            pieces, removed = [], 0
+            if cfg.action == "cut":
+                try:
+                    pieces, removed = cut(row["text"], starts, cfg.ngram, cfg.cut_margin)
+                except Unmappable as e:  # one odd document must not fail the stage: set it aside, say why
+                    ledger.add(row["id"], "quarantined", "cut_unmappable",
+                               json.dumps({**found, "error": str(e)}, sort_keys=True))
+                    continue
             stats = per_bench.setdefault(item["benchmark"], {"documents_dropped": 0, "documents_cut": 0,
                                                              "chars_removed": 0})
-            pieces, removed = cut(row["text"], starts, cfg.ngram, cfg.cut_margin) if cfg.action == "cut" else ([], 0)
             if cfg.action == "cut" and 0 < len(pieces) <= cfg.max_cuts:
                 writer.write({**row, "text": "\n\n".join(pieces)})
                 ledger.add(row["id"], "kept", "cut", json.dumps({**found, "pieces": len(pieces),
@@ -236,6 +305,12 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict
     return {**ledger.check(n_in, n_out), "ngram": cfg.ngram, "action": cfg.action,
             "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
             "per_benchmark": dict(sorted(per_bench.items()))}
+
+
+def overlap_stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `overlap` stage's body: `s` holds the n-gram length, the one setting it reads."""
+    return overlap(DecontamConfig(ngram=s["ngram"]), inputs["shards"].dir, inputs["tokenizer"].dir,
+                   inputs["index"].dir, out)
 
 
 def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir: Path, out: Path) -> dict:

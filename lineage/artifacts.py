@@ -16,8 +16,8 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,9 @@ class Store:
                 files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
         content = xxhash.xxh3_64_hexdigest(canonical_json(files).encode())
         final = self.folder(stage, key)
-        manifest = Manifest(stage=stage, hash=key, content_hash=content, path=str(final), files=files, stats=stats)
+        manifest = Manifest(
+            stage=stage, hash=key, content_hash=content, path=str(final), files=files, stats=stats
+        )
         lineage = {**lineage, "artifact": {"stage": stage, "hash": key, "content_hash": content}}
         _write_synced(tmp / LINEAGE, json.dumps(lineage, indent=2, sort_keys=True, default=str))
         _write_synced(tmp / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str))

@@ -58,15 +58,19 @@ class Ledger:
         total = sum(fates.values())
         if total != n_inputs:
             raise ConservationError(
-                f"stage {self.stage}: {n_inputs} input documents but the ledger accounts for {total} ({dict(fates)})"
+                f"stage {self.stage}: {n_inputs} input documents but the ledger accounts for {total} "
+                f"({dict(fates)})"
             )
         if fates.get("kept", 0) != n_outputs:
             raise ConservationError(
-                f"stage {self.stage}: ledger keeps {fates.get('kept', 0)} documents but the output holds {n_outputs}"
+                f"stage {self.stage}: ledger keeps {fates.get('kept', 0)} documents but the output holds "
+                f"{n_outputs}"
             )
         dup = Counter(self.rows["doc_id"]).most_common(1)
         if dup and dup[0][1] > 1:
-            raise ConservationError(f"stage {self.stage}: document id {dup[0][0]!r} appears {dup[0][1]} times in the ledger")
+            raise ConservationError(
+                f"stage {self.stage}: document id {dup[0][0]!r} appears {dup[0][1]} times in the ledger"
+            )
         return {"documents_in": n_inputs, "documents_out": n_outputs, "fates": self.counts()}
 
     def write(self, folder: Path) -> Path:

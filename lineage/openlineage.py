@@ -27,7 +27,10 @@ def events_path(store: Path) -> Path:
 
 
 def _client(store: Path) -> OpenLineageClient:
-    if any(k == "OPENLINEAGE_URL" or k == "OPENLINEAGE_CONFIG" or k.startswith("OPENLINEAGE__") for k in os.environ):
+    if any(
+        k == "OPENLINEAGE_URL" or k == "OPENLINEAGE_CONFIG" or k.startswith("OPENLINEAGE__")
+        for k in os.environ
+    ):
         return OpenLineageClient()
     path = events_path(store)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,5 +47,14 @@ def emit(store: Path, lineage: dict) -> None:
     outputs = [OutputDataset(namespace=data_ns, name=f"{art['stage']}/{art['stage']}-{art['hash']}")]
     client = _client(store)
     for state, when in ((RunState.START, lineage["started_at"]), (RunState.COMPLETE, lineage["finished_at"])):
-        client.emit(RunEvent(eventType=state, eventTime=when, run=run, job=job, producer=PRODUCER,
-                             inputs=inputs, outputs=outputs))
+        client.emit(
+            RunEvent(
+                eventType=state,
+                eventTime=when,
+                run=run,
+                job=job,
+                producer=PRODUCER,
+                inputs=inputs,
+                outputs=outputs,
+            )
+        )

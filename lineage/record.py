@@ -28,10 +28,16 @@ def code_version() -> dict:
         h.update(path.read_bytes())
     commit, dirty = "unknown", None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_ROOT,
-                                capture_output=True, text=True, check=True).stdout
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=PACKAGE_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         dirty = bool(status.strip())
     except (OSError, subprocess.CalledProcessError):
         pass
@@ -42,10 +48,16 @@ def code_version() -> dict:
 def host() -> dict:
     import torch
 
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "cpus": __import__("os").cpu_count(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "ray_node": _ray_node(),
-            "dask_worker": _dask_worker()}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cpus": __import__("os").cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "ray_node": _ray_node(),
+        "dask_worker": _dask_worker(),
+    }
 
 
 def _ray_node() -> str | None:

@@ -1,1 +1,4 @@
-"""The dropless Mixture-of-Experts model: router, experts, losses, layer, transformer, training and evaluation."""
+"""The dropless Mixture-of-Experts model.
+
+Router, experts, losses, layer, transformer, training and evaluation.
+"""

@@ -1,4 +1,6 @@
-"""Training checkpoints: model and optimizer tensors in safetensors, the rest (step, schedule, RNG, data position) in JSON.
+"""Training checkpoints: model and optimizer tensors in safetensors, the rest in JSON.
+
+The JSON holds the step, the schedule, the RNG state and the data position.
 
 A checkpoint is a folder `step-NNNNNNN/` written under a temporary name, fsynced and renamed, so a
 kill during a write leaves the previous checkpoint intact and the half-written one is never read.
@@ -32,16 +34,31 @@ def _param_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[int
     return dict(zip(ids, (names[id(p)] for g in opt.param_groups for p in g["params"])))
 
 
-def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict, keep: int,
-         world: parallel.World | None = None) -> Path | None:
-    """Write a checkpoint of the whole model; under torchrun every rank calls it (experts are gathered), rank 0 writes."""
+def save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    state: dict,
+    keep: int,
+    world: parallel.World | None = None,
+) -> Path | None:
+    """Write a checkpoint of the whole model.
+
+    Under torchrun every rank calls it (experts are gathered), rank 0 writes.
+    """
     model_state = {k: v.detach() for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()
     names = _param_names(model, opt)
     if world is not None:
         model_state = {k: world.gather(v) if world.sharded(k) else v for k, v in model_state.items()}
-        opt_state["state"] = {idx: {k: world.gather(v) if world.sharded(names[idx]) and torch.is_tensor(v) and v.dim() else v
-                                    for k, v in per.items()} for idx, per in opt_state["state"].items()}
+        opt_state["state"] = {
+            idx: {
+                k: world.gather(v) if world.sharded(names[idx]) and torch.is_tensor(v) and v.dim() else v
+                for k, v in per.items()
+            }
+            for idx, per in opt_state["state"].items()
+        }
         if not world.main:
             return None
     root.mkdir(parents=True, exist_ok=True)
@@ -74,7 +91,9 @@ def latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, world: parallel.World | None = None) -> dict:
+def load(
+    folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, world: parallel.World | None = None
+) -> dict:
     """Restore model, optimizer and the torch RNG; return the trainer state (step, data position, ...).
     Under torchrun each rank keeps its own experts' rows of the whole checkpoint."""
     meta = json.loads((folder / STATE).read_text())

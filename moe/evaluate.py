@@ -15,7 +15,10 @@ from moeflow.moe.model import Transformer
 from moeflow.moe.train import lm_loss, sequences
 from moeflow.tokenize import mix
 
-VERSION = 1
+
+def stage(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
+    """The `evaluate` stage's body: the `model` input's final weights on the `mix` input's held-out set."""
+    return run(cfg, train_dir=inputs["model"].dir, mix_dir=inputs["mix"].dir, out=out)
 
 
 def load_model(train_dir: Path) -> Transformer:
@@ -38,7 +41,11 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
         losses = [lm_loss(model, torch.from_numpy(rows[i : i + 8]))[0].item() * len(rows[i : i + 8])
                   for i in range(0, len(rows), 8)]
         loss = sum(losses) / len(rows)
-        results[domain] = {"loss": round(loss, 4), "perplexity": round(math.exp(loss), 2), "sequences": int(len(rows)),
-                           "tokens": int(len(rows) * (rows.shape[1] - 1))}
+        results[domain] = {
+            "loss": round(loss, 4),
+            "perplexity": round(math.exp(loss), 2),
+            "sequences": int(len(rows)),
+            "tokens": int(len(rows) * (rows.shape[1] - 1)),
+        }
     (out / "eval.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"heldout": results}

@@ -19,7 +19,9 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[-1] * size % 16 == 0 and w.shape[-1] * size % 16 == 0)
 
 
-def grouped_linear(x_TK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(
+    x_TK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
     """Rows of x in group e (rows offs[e-1]:offs[e]) times w[e]: [T, K] x [E, K, N] -> [T, N]."""
     if _grouped_mm_ok(x_TK, w_EKN):
         return F.grouped_mm(x_TK, w_EKN, offs=offs_E)
@@ -47,7 +49,9 @@ class GroupedMLP(nn.Module):
         w1_EDF = self.w1.view(E, F_, D).transpose(-2, -1)
         h_TF = grouped_linear(x_TD, w1_EDF, offs_E, counts)
         if self.glu:
-            h_TF = F.silu(h_TF) * grouped_linear(x_TD, self.v1.view(E, F_, D).transpose(-2, -1), offs_E, counts)
+            h_TF = F.silu(h_TF) * grouped_linear(
+                x_TD, self.v1.view(E, F_, D).transpose(-2, -1), offs_E, counts
+            )
         else:
             h_TF = F.gelu(h_TF)
         return grouped_linear(h_TF, self.w2.view(E, F_, D), offs_E, counts)

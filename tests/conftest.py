@@ -32,3 +32,17 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+@pytest.fixture(scope="session")
+def smoke_run(prefect_server, smoke_data, tmp_path_factory):
+    """One cold run of the smoke preset into its own store, shared by the flow tests.
+
+    Returns (config path, summary).
+    """
+    from helpers import write_config
+    from moeflow.flows.pretrain import pretrain
+
+    store = tmp_path_factory.mktemp("store")
+    path = write_config(tmp_path_factory.mktemp("cfg") / "smoke.yaml", store=str(store))
+    return path, pretrain(config=str(path))

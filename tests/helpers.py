@@ -25,14 +25,21 @@ def write_config(path: Path, base: str = "smoke", **overrides) -> Path:
 
 
 def write_training_mix(root: Path) -> Path:
-    """A mix artifact of 96 sequences over a 300-token vocabulary with learnable structure, and its tokenizer."""
+    """A mix artifact of 96 sequences over a 300-token vocabulary, and its tokenizer.
+
+    The sequences have learnable structure.
+    """
     from tokenizers.implementations import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(["abc def ghi " * 50], vocab_size=300, special_tokens=[tokenizer.EOS], show_progress=False)
+    tok.train_from_iterator(
+        ["abc def ghi " * 50], vocab_size=300, special_tokens=[tokenizer.EOS], show_progress=False
+    )
     tok.save(str(root / tokenizer.TOKENIZER))
     rng = np.random.default_rng(0)
-    rows = [(np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % tok.get_vocab_size() for _ in range(96)]
+    rows = [
+        (np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % tok.get_vocab_size() for _ in range(96)
+    ]
     mix._write(root / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
     return root
 
@@ -42,7 +49,24 @@ def write_large_jsonl(path: Path, size: int, unique: int = 1000, words: int = 30
     6.5 bytes a word; distinct enough not to be near-duplicates), then copies of them in shuffled rounds,
     each copy with its own id; returns the line count."""
     rng = np.random.default_rng(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pre", "den", "gar", "bel", "tor", "qu", "ix", "an"]
+    syllables = [
+        "ka",
+        "lo",
+        "mi",
+        "ne",
+        "ru",
+        "ta",
+        "vo",
+        "shi",
+        "pre",
+        "den",
+        "gar",
+        "bel",
+        "tor",
+        "qu",
+        "ix",
+        "an",
+    ]
     vocab = np.array(["".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(20_000)])
     docs = []
     for i in range(unique):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moeflow import configs
 from helpers import write_config
+from moeflow import configs
 
 
 def test_presets_load():
@@ -33,7 +33,9 @@ def test_weights_summing_to_zero(tmp_path):
 
 def test_a_cluster_address_for_another_runner_is_refused(tmp_path):
     path = write_config(tmp_path / "bad.yaml", execution={"runner": "ray", "dask_address": "tcp://h:8786"})
-    with pytest.raises(configs.ConfigError, match=r"execution.dask_address is set but execution.runner is 'ray'"):
+    with pytest.raises(
+        configs.ConfigError, match=r"execution.dask_address is set but execution.runner is 'ray'"
+    ):
         configs.load(str(path))
 
 
@@ -42,13 +44,25 @@ def test_unknown_preset():
         configs.load("huge")
 
 
-@pytest.mark.parametrize("phases, message", [
-    ([{"name": "a", "weights": {"poetry": 1.0}}], r"mix\.phases\.0\.weights names unknown domains \['poetry'\]"),
-    ([{"name": "a", "weights": {"literature": 0.0}}], r"field 'mix\.phases\.0\.weights'.*sum to more than 0"),
-    ([{"name": "a", "fraction": 0.5}, {"name": "b", "fraction": 0.2}], r"come to 28 steps, but train\.steps is 40"),
-    ([{"name": "a"}, {"name": "b"}], r"mix\.phases\.0 \(a\): give `fraction` or `tokens`"),
-    ([{"name": "a", "fraction": 0.5, "tokens": 100}], r"`fraction` or `tokens`, not both"),
-])
+@pytest.mark.parametrize(
+    "phases, message",
+    [
+        (
+            [{"name": "a", "weights": {"poetry": 1.0}}],
+            r"mix\.phases\.0\.weights names unknown domains \['poetry'\]",
+        ),
+        (
+            [{"name": "a", "weights": {"literature": 0.0}}],
+            r"field 'mix\.phases\.0\.weights'.*sum to more than 0",
+        ),
+        (
+            [{"name": "a", "fraction": 0.5}, {"name": "b", "fraction": 0.2}],
+            r"come to 28 steps, but train\.steps is 40",
+        ),
+        ([{"name": "a"}, {"name": "b"}], r"mix\.phases\.0 \(a\): give `fraction` or `tokens`"),
+        ([{"name": "a", "fraction": 0.5, "tokens": 100}], r"`fraction` or `tokens`, not both"),
+    ],
+)
 def test_phase_errors_name_the_phase(tmp_path, phases, message):
     path = write_config(tmp_path / "bad.yaml", mix={"phases": phases})
     with pytest.raises(configs.ConfigError, match=message):
@@ -56,8 +70,15 @@ def test_phase_errors_name_the_phase(tmp_path, phases, message):
 
 
 def test_phases_resolve_to_whole_steps(tmp_path):
-    path = write_config(tmp_path / "ok.yaml", mix={"phases": [
-        {"name": "short", "seq_len": 32, "tokens": 5000}, {"name": "long", "weights": {"literature": 1.0}}]})
+    path = write_config(
+        tmp_path / "ok.yaml",
+        mix={
+            "phases": [
+                {"name": "short", "seq_len": 32, "tokens": 5000},
+                {"name": "long", "weights": {"literature": 1.0}},
+            ]
+        },
+    )
     short, long = configs.load(path).phases()
     assert (short.steps, short.seq_len, long.start_step, long.steps, long.seq_len) == (20, 32, 20, 20, 64)
     assert long.weights == {"literature": 1.0} and short.weights == configs.load("smoke").mix.weights

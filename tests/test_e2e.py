@@ -1,4 +1,7 @@
-"""End to end: a real Prefect server and process worker, `prefect deploy --all`, `prefect deployment run pretrain/smoke`."""
+"""End to end: a real Prefect server and process worker.
+
+`prefect deploy --all`, then `prefect deployment run pretrain/smoke`.
+"""
 
 import json
 import os
@@ -17,7 +20,12 @@ def test_smoke_deployment_through_server_and_worker(smoke_data, tmp_path, monkey
     store = tmp_path / "store"
     monkeypatch.setenv("MOEFLOW_STORE", str(store))  # the worker, and so the flow run, inherits it
     with LocalStack(tmp_path / "prefect-home") as stack:
-        listed = subprocess.run([sys.executable, "-m", "prefect", "deployment", "ls"], env=stack.env, capture_output=True, text=True)
+        listed = subprocess.run(
+            [sys.executable, "-m", "prefect", "deployment", "ls"],
+            env=stack.env,
+            capture_output=True,
+            text=True,
+        )
         assert "pretrain/smoke" in listed.stdout and "pretrain/tiny" in listed.stdout
         rc, output, run_id = stack.run_deployment("pretrain/smoke", timeout=600, echo=False)
         worker_pid = stack.worker.pid

@@ -19,8 +19,18 @@ import pytest
 from helpers import write_config
 
 CHAOS_STAGES = ("ingest", "filter", "dedup", "decontaminate", "tokenize", "mix", "train")
-DETERMINISTIC = ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize", "overlap", "mix",
-                 "evaluate")
+DETERMINISTIC = (
+    "ingest",
+    "filter",
+    "dedup",
+    "benchmarks",
+    "decontaminate",
+    "tokenizer",
+    "tokenize",
+    "overlap",
+    "mix",
+    "evaluate",
+)
 
 
 def _start(config: Path, *args: str, preexec_fn=None) -> subprocess.Popen:
@@ -29,9 +39,22 @@ def _start(config: Path, *args: str, preexec_fn=None) -> subprocess.Popen:
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    return subprocess.Popen([sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())",
-                             "run", str(config), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=preexec_fn)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from moeflow.cli import main; raise SystemExit(main())",
+            "run",
+            str(config),
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -42,8 +65,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 
 def _artifacts(store: Path) -> dict[str, list[dict]]:
     """stage -> the lineage of every artifact of it in the store."""
-    return {p.name: [json.loads(f.read_text()) for f in sorted(p.glob(f"{p.name}-*/lineage.json"))]
-            for p in sorted(store.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+    return {
+        p.name: [json.loads(f.read_text()) for f in sorted(p.glob(f"{p.name}-*/lineage.json"))]
+        for p in sorted(store.iterdir())
+        if p.is_dir() and not p.name.startswith(".")
+    }
 
 
 def _content(store: Path) -> dict[str, str]:
@@ -84,10 +110,16 @@ def _comparable(store: Path) -> dict:
     stages = json.loads(latest.read_text())["stages"]
     folder = Path(stages["train"]["artifact"])
     files = json.loads((folder / "manifest.json").read_text())["files"]
-    curve = [(r["step"], r["ce"], r["grad_norm"]) for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
-    return {**{s: stages[s]["content_hash"] for s in DETERMINISTIC},
-            "train weights": files["model.safetensors"]["xxh3"], "train config": files["model_config.json"]["xxh3"],
-            "train curve": curve}
+    curve = [
+        (r["step"], r["ce"], r["grad_norm"])
+        for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+    ]
+    return {
+        **{s: stages[s]["content_hash"] for s in DETERMINISTIC},
+        "train weights": files["model.safetensors"]["xxh3"],
+        "train config": files["model_config.json"]["xxh3"],
+        "train curve": curve,
+    }
 
 
 def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
@@ -105,13 +137,16 @@ def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
     assert cards[0] == cards[1]
 
 
-def _kill_inside(proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300) -> bool:
+def _kill_inside(
+    proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300
+) -> bool:
     """SIGKILL the run's process group at a random moment once `stage` is building; False if it never was."""
     folder = store / stage
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if folder.exists() and any(p.name.startswith(f".{stage}-") and not p.name.endswith(".lock")
-                                   for p in folder.iterdir()):
+        if folder.exists() and any(
+            p.name.startswith(f".{stage}-") and not p.name.endswith(".lock") for p in folder.iterdir()
+        ):
             time.sleep(rng.uniform(0, 1.0))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -145,7 +180,10 @@ def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, t
 
 
 def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_path):
-    """Each artifact of the reference run, copied twice: one file gets a flipped byte, another is cut in half."""
+    """Each artifact of the reference run, copied twice.
+
+    One file gets a flipped byte, another is cut in half.
+    """
     import shutil
 
     from moeflow.lineage.artifacts import ArtifactError, Manifest
@@ -165,7 +203,9 @@ def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_pat
                 else:
                     data = data[: len(data) // 2]
                 victim.write_bytes(bytes(data))
-                with pytest.raises(ArtifactError, match=rf"{victim.name}.*--rerun {stage.removesuffix('.shard')}"):
+                with pytest.raises(
+                    ArtifactError, match=rf"{victim.name}.*--rerun {stage.removesuffix('.shard')}"
+                ):
                     Manifest.read(copy).verify()
                 caught += 1
     assert caught >= 2 * len(DETERMINISTIC)
@@ -186,7 +226,9 @@ def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tm
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0
     assert "ingest: the artifact store ran out of space" in out
-    assert not [p for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")]  # no artifact, no staging
+    assert not [
+        p for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")
+    ]  # no artifact, no staging
 
 
 def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_completes(reference, tmp_path):
@@ -194,9 +236,13 @@ def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_co
     tmpfs is grown: the rerun reuses the stage that finished and builds the rest."""
     store = tmp_path / "store"
     store.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(store)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(store)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the RLIMIT_FSIZE test covers the message")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the RLIMIT_FSIZE test covers the message"
+        )
     try:
         config = write_config(tmp_path / "smoke.yaml", store=str(store))
         proc = _start(config, "--until", "ingest")
@@ -204,7 +250,9 @@ def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_co
         assert proc.returncode != 0
         assert "ingest: the artifact store ran out of space" in out and "No space left on device" in out
         assert [p.name for p in (store / "ingest").iterdir() if not p.name.endswith(".lock")] == []
-        assert len(list((store / "sources").glob("sources-*/manifest.json"))) == 1  # the stage before was published
+        assert (
+            len(list((store / "sources").glob("sources-*/manifest.json"))) == 1
+        )  # the stage before was published
         subprocess.run(["mount", "-o", "remount,size=64m", str(store)], check=True)
         out = _finish(_start(config, "--until", "ingest"))
         assert any(line.split()[:2] == ["sources", "reused"] for line in out.splitlines()), out[-2000:]
@@ -219,8 +267,10 @@ class _MemoryCap:
 
     def __init__(self, limit: int):
         self.path = None
-        for root, limit_file, events in ((Path("/sys/fs/cgroup"), "memory.max", "memory.events"),
-                                         (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.oom_control")):
+        for root, limit_file, events in (
+            (Path("/sys/fs/cgroup"), "memory.max", "memory.events"),
+            (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.oom_control"),
+        ):
             if not (root / "cgroup.procs").exists():  # not a cgroup filesystem (e.g. the tmpfs above v1's)
                 continue
             path = root / f"moeflow-test-{os.getpid()}"
@@ -244,7 +294,10 @@ class _MemoryCap:
         return 0
 
     def remove(self) -> None:
-        """Once the last process in it has exited (a run's workers may outlive its main process by a moment)."""
+        """Once the last process in it has exited.
+
+        A run's workers may outlive its main process by a moment.
+        """
         deadline = time.monotonic() + 60
         while (self.path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -266,9 +319,22 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     lines = write_large_jsonl(source, size)
     assert source.stat().st_size > limit
     store = tmp_path / "store"
-    config = write_config(tmp_path / "big.yaml", store=str(store), sources=[
-        {"name": "big", "path": str(source), "format": "jsonl", "id_field": "id", "domain": "synthetic", "license": "cc0"}],
-        filter={"steps": ["length"], "overrides": {}, "shards": 2}, mix={"weights": {"synthetic": 1.0}, "phases": []})
+    config = write_config(
+        tmp_path / "big.yaml",
+        store=str(store),
+        sources=[
+            {
+                "name": "big",
+                "path": str(source),
+                "format": "jsonl",
+                "id_field": "id",
+                "domain": "synthetic",
+                "license": "cc0",
+            }
+        ],
+        filter={"steps": ["length"], "overrides": {}, "shards": 2},
+        mix={"weights": {"synthetic": 1.0}, "phases": []},
+    )
     cap = _MemoryCap(limit)
     try:
         _finish(_start(config, "--until", "mix", preexec_fn=cap.join if cap.path else None), timeout=3000)
@@ -279,9 +345,14 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     finally:
         if cap.path:
             cap.remove()
-    stats = {st: json.loads(p.read_text())["stats"] for st in ("ingest", "filter", "dedup", "mix")
-             for p in (store / st).glob(f"{st}-*/lineage.json")}
-    assert stats["ingest"]["documents_in"] == stats["ingest"]["documents_out"] == lines  # every line accounted for
+    stats = {
+        st: json.loads(p.read_text())["stats"]
+        for st in ("ingest", "filter", "dedup", "mix")
+        for p in (store / st).glob(f"{st}-*/lineage.json")
+    }
+    assert (
+        stats["ingest"]["documents_in"] == stats["ingest"]["documents_out"] == lines
+    )  # every line accounted for
     assert stats["filter"]["documents_in"] == lines
     assert stats["dedup"]["documents_in"] == stats["filter"]["documents_out"]
     assert stats["dedup"]["documents_out"] == 1000 and stats["dedup"]["fates"]["duplicate"] == lines - 1000

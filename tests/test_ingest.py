@@ -1,4 +1,7 @@
-"""Ingest: bad records are quarantined with a reason, every record is in the ledger, a bad path fails early."""
+"""Ingest: bad records are quarantined with a reason, every record is in the ledger.
+
+A bad path fails early.
+"""
 
 import json
 
@@ -14,7 +17,9 @@ GOOD = "a perfectly ordinary document " * 3
 
 
 def _source(tmp_path, name="user", pattern="*.jsonl*", **kw):
-    return SourceConfig(name=name, path=str(tmp_path / "in" / pattern), format="jsonl", domain="web", license="cc0", **kw)
+    return SourceConfig(
+        name=name, path=str(tmp_path / "in" / pattern), format="jsonl", domain="web", license="cc0", **kw
+    )
 
 
 def test_bad_records_are_quarantined_with_reasons(tmp_path):
@@ -111,15 +116,182 @@ def test_ingest_streams_memory_does_not_grow_with_the_file(tmp_path):
             for _ in range(mb * 100):
                 f.write(line)
         # VmHWM: the child's own peak (ru_maxrss would carry the forking parent's over exec)
-        code = ("import re, sys; from pathlib import Path; from moeflow import ingest; "
-                "from moeflow.configs import SourceConfig; out = Path(sys.argv[2]); out.mkdir(); "
-                "s = ingest.run(ingest.resolve_sources_list([SourceConfig(name='big', path=sys.argv[1], format='jsonl', "
-                "domain='web', license='cc0')]), out); "
-                "hwm = re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text()).group(1); "
-                "print(s['documents_out'], int(hwm) // 1024)")
-        res = subprocess.run([sys.executable, "-c", code, str(src / "*.jsonl"), str(tmp_path / f"out{mb}")],
-                             capture_output=True, text=True, check=True)
+        code = (
+            "import re, sys; from pathlib import Path; from moeflow import ingest; "
+            "from moeflow.configs import SourceConfig; out = Path(sys.argv[2]); out.mkdir(); "
+            "s = ingest.run(ingest.resolve_sources_list([SourceConfig(name='big', path=sys.argv[1], "
+            "format='jsonl', domain='web', license='cc0')]), out); "
+            "hwm = re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text()).group(1); "
+            "print(s['documents_out'], int(hwm) // 1024)"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(src / "*.jsonl"), str(tmp_path / f"out{mb}")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         docs, peak = map(int, res.stdout.split())
         assert docs == mb * 100
         peaks.append(peak)
     assert peaks[1] - peaks[0] < 50, peaks
+
+
+# Files unreadable part-way: each record of the unreadable tail that can be counted is a ledger row.
+
+
+def _line(i: int) -> bytes:
+    return json.dumps({"text": f"{GOOD}number {i}"}).encode() + b"\n"
+
+
+LINES = [_line(i) for i in range(1, 6)]  # five records, one per line
+HEAD = b"".join(LINES[:2]) + LINES[2][:7]  # lines 1-2 and the first 7 bytes of line 3
+
+
+def _ledger(tmp_path, files: dict[str, bytes], **kw) -> tuple[list[tuple], dict[str, str]]:
+    """Ingest `files` as one source: its ledger rows (id, fate, reason) in order, and the details by id."""
+    (tmp_path / "in").mkdir()
+    for name, data in files.items():
+        (tmp_path / "in" / name).write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(ingest.resolve_sources_list([_source(tmp_path, **kw)]), out)
+    table = read_ledger(out).to_pylist()
+    fates = sum(n for k, n in stats["fates"].items() if ":" not in k)
+    assert stats["documents_in"] == len(table) == fates  # conservation: inputs = sum of fates
+    return [(r["doc_id"], r["fate"], r["reason"]) for r in table], {r["doc_id"]: r["detail"] for r in table}
+
+
+def _cut_tail(name: str) -> list[tuple]:
+    """The rows of a file whose lines 1-2 are read, line 3 is cut 7 bytes in, and the rest is undecodable."""
+    b = f"user/{name}"
+    return [
+        (f"{b}#L1", "kept", ""),
+        (f"{b}#L2", "kept", ""),
+        (f"{b}#L3", "quarantined", "unreadable_file"),
+        (f"{b}#rest", "quarantined", "unreadable_file"),
+    ]
+
+
+def _stored_gzip(data: bytes) -> bytes:
+    """gzip with a stored (uncompressed) deflate block: byte k of `data` sits at byte 15 + k of the file."""
+    import gzip
+
+    assert len(data) < 65_535  # one stored block
+    return gzip.compress(data, compresslevel=0, mtime=0)
+
+
+def test_truncated_gzip_keeps_its_whole_lines_and_quarantines_the_cut_one(tmp_path):
+    rows, details = _ledger(tmp_path, {"t.jsonl.gz": _stored_gzip(b"".join(LINES))[: 15 + len(HEAD)]})
+    assert rows == _cut_tail("t.jsonl.gz")
+    assert "line 3 truncated by the read error after 7 bytes: EOFError" in details["user/t.jsonl.gz#L3"]
+    assert "EOFError" in details["user/t.jsonl.gz#rest"] and "unknown" in details["user/t.jsonl.gz#rest"]
+
+
+def test_gzip_cut_between_lines_has_no_cut_line(tmp_path):
+    cut = _stored_gzip(b"".join(LINES))[: 15 + len(LINES[0] + LINES[1])]  # right after line 2's newline
+    rows, _ = _ledger(tmp_path, {"t.jsonl.gz": cut})
+    assert rows == [
+        ("user/t.jsonl.gz#L1", "kept", ""),
+        ("user/t.jsonl.gz#L2", "kept", ""),
+        ("user/t.jsonl.gz#rest", "quarantined", "unreadable_file"),
+    ]
+
+
+def test_truncated_gzip_past_the_first_megabyte_loses_no_decoded_line(tmp_path):
+    """gzip's `read(1 MB)` dropped what it had decoded in the call that hit the cut (here over 100 KB of
+    whole lines); every line zlib can decode must come through."""
+    import gzip
+    import zlib
+
+    data = b"".join(_line(i) for i in range(1, 20_001))  # ~2.3 MB
+    cut = gzip.compress(data, mtime=0)
+    cut = cut[: len(cut) * 3 // 4]
+    decoded = zlib.decompressobj(31).decompress(cut)  # all that can be decoded
+    assert data.startswith(decoded) and len(decoded) % ingest.CHUNK > 100_000
+    whole = decoded.count(b"\n")
+    rows, details = _ledger(tmp_path, {"big.jsonl.gz": cut})
+    b = "user/big.jsonl.gz"
+    assert rows == [(f"{b}#L{n}", "kept", "") for n in range(1, whole + 1)] + [
+        (f"{b}#L{whole + 1}", "quarantined", "unreadable_file"),
+        (f"{b}#rest", "quarantined", "unreadable_file"),
+    ]
+    partial = len(decoded) - decoded.rindex(b"\n") - 1
+    assert f"truncated by the read error after {partial} bytes" in details[f"{b}#L{whole + 1}"]
+
+
+def test_truncated_zstd_keeps_the_blocks_before_the_cut(tmp_path):
+    """One frame of two blocks (the first flushed 7 bytes into line 3), cut 3 bytes into the second block."""
+    c = zstandard.ZstdCompressor().compressobj()
+    first = c.compress(HEAD) + c.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    whole = first + c.compress(b"".join(LINES)[len(HEAD) :]) + c.flush()
+    rows, details = _ledger(tmp_path, {"t.jsonl.zst": whole[: len(first) + 3]})
+    assert rows == _cut_tail("t.jsonl.zst")
+    assert "line 3 truncated by the read error after 7 bytes: EOFError" in details["user/t.jsonl.zst#L3"]
+
+
+def test_zstd_whose_second_frame_is_corrupt(tmp_path):
+    """Frame 1 holds lines 1-2 and the start of line 3; frame 2 (the rest) fails to decode: its lines are
+    not counted one by one, since nothing says how many there are."""
+    zc = zstandard.ZstdCompressor(write_checksum=True)
+    second = bytearray(zc.compress(b"".join(LINES)[len(HEAD) :]))
+    second[-5] ^= 0xFF  # a byte of block data (the last 4 bytes are the checksum)
+    rows, details = _ledger(tmp_path, {"t.jsonl.zst": zc.compress(HEAD) + bytes(second)})
+    assert rows == _cut_tail("t.jsonl.zst")
+    assert "truncated by the read error after 7 bytes: ZstdError" in details["user/t.jsonl.zst#L3"]
+    assert "ZstdError" in details["user/t.jsonl.zst#rest"] and "unknown" in details["user/t.jsonl.zst#rest"]
+
+
+def test_gzip_whose_second_member_is_corrupt_is_accounted_not_a_crash(tmp_path):
+    """Corrupt deflate data raises zlib.error, which once escaped ingest and failed the run."""
+    import gzip
+
+    bad_member = gzip.compress(b"x", mtime=0)[:10] + b"\xff" * 8  # block type 3: invalid
+    rows, details = _ledger(tmp_path, {"t.jsonl.gz": gzip.compress(HEAD, mtime=0) + bad_member})
+    assert rows == _cut_tail("t.jsonl.gz")
+    rest = details["user/t.jsonl.gz#rest"]
+    assert rest.startswith("zlib.error: Error -3 while decompressing data: invalid block type")
+    assert "unknown" in rest
+
+
+def test_plain_file_read_error_mid_file(tmp_path, monkeypatch):
+    """An OS read error (EIO) on a plain file: the bytes read before it are used, the rest is unknown."""
+    import errno
+
+    def failing_chunks(path):
+        yield HEAD
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ingest, "_chunks", failing_chunks)
+    rows, details = _ledger(tmp_path, {"t.jsonl": b"".join(LINES)})
+    assert rows == _cut_tail("t.jsonl")
+    assert "after 7 bytes: OSError: [Errno 5] Input/output error" in details["user/t.jsonl#L3"]
+
+
+def test_parquet_rows_left_unread_are_counted_from_the_footer(tmp_path):
+    """Parquet's footer knows how many rows the file holds, so every unread row gets a row of its own; a
+    file whose footer is unreadable is one row (ArrowInvalid once escaped ingest and failed the run)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "a.parquet"
+    table = pa.table({"text": [f"{GOOD}{i}" for i in range(6)]})
+    pq.write_table(table, path, row_group_size=3, compression="none")
+    data = bytearray(path.read_bytes())
+    page = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data[page : page + 8] = b"\xff" * 8  # the second row group's page header
+    path.write_bytes(bytes(data))
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 not really")
+    src = SourceConfig(
+        name="p", path=str(tmp_path / "in" / "*.parquet"), format="parquet", domain="x", license="cc0"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(ingest.resolve_sources_list([src]), out)
+    rows = [(r["doc_id"], r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()]
+    kept = sum(fate == "kept" for _, fate, _ in rows)
+    assert kept <= 3  # the rows of the first group may be read; pyarrow's batches can span row groups
+    assert rows == [(f"p/a.parquet#L{n}", "kept", "") for n in range(1, kept + 1)] + [
+        (f"p/a.parquet#L{n}", "quarantined", "unreadable_file") for n in range(kept + 1, 7)
+    ] + [("p/b.parquet", "quarantined", "unreadable_file")]
+    assert stats["documents_in"] == len(rows) == stats["fates"].get("kept", 0) + stats["fates"]["quarantined"]

@@ -1,4 +1,7 @@
-"""The scaling ladder: the fit recovers known laws, rungs keep the recipe, the prediction is registered first."""
+"""The scaling ladder: the fit recovers known laws, rungs keep the recipe.
+
+The prediction is registered first.
+"""
 
 import json
 from pathlib import Path
@@ -25,8 +28,9 @@ def test_fit_recovers_known_parameters(e, a, alpha):
 
 
 def test_rungs_keep_the_recipe_and_the_budget():
-    cfg = configs.load("tiny").model_copy(update={"ladder": LadderConfig(widths=(32, 64, 96), budget_fraction=0.5,
-                                                                          min_steps=5)})
+    cfg = configs.load("tiny").model_copy(
+        update={"ladder": LadderConfig(widths=(32, 64, 96), budget_fraction=0.5, min_steps=5)}
+    )
     rungs = ladder.plan(cfg, vocab=8192)
     target, _ = ladder.flops(cfg.model, cfg.train, 8192, [(p.steps, p.seq_len) for p in cfg.phases()])
     assert [r["model"].d_model for r in rungs] == [32, 64, 96]
@@ -54,12 +58,23 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
     from helpers import write_config
     from moeflow.flows.pretrain import pretrain
 
-    path = write_config(tmp_path / "ladder.yaml", store=str(tmp_path / "store"),
-                        ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 10})
+    path = write_config(
+        tmp_path / "ladder.yaml",
+        store=str(tmp_path / "store"),
+        ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 10},
+    )
     out = pretrain(config=str(path))
-    assert [k for k in out["stages"] if k.startswith("rung")] == ["rung_mix0", "rung0", "rung_mix1", "rung1",
-                                                                   "rung_mix2", "rung2"]
-    lin = {k: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for k, v in out["stages"].items()}
+    assert [k for k in out["stages"] if k.startswith("rung")] == [
+        "rung_mix0",
+        "rung0",
+        "rung_mix1",
+        "rung1",
+        "rung_mix2",
+        "rung2",
+    ]
+    lin = {
+        k: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for k, v in out["stages"].items()
+    }
     for i in range(3):  # each rung runs the whole two-phase curriculum on its own mix
         assert lin[f"rung{i}"]["inputs"]["mix"]["hash"] == lin[f"rung_mix{i}"]["artifact"]["hash"]
         assert [p["phase"] for p in lin[f"rung{i}"]["stats"]["phases"]] == [0, 1]

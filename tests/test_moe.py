@@ -25,9 +25,20 @@ def _per_token(layer: MoE, x_TD: torch.Tensor) -> torch.Tensor:
 
 def test_dropless_layer_matches_per_token_loop():
     torch.manual_seed(0)
-    for glu, shared, width in ((True, 0, 64), (False, 32, 64), (True, 16, 6)):  # width 6: the loop fallback path
-        cfg = ModelConfig(d_model=width, n_heads=width // 2, num_experts=4, top_k=2, expert_hidden=32,
-                          shared_expert_hidden=shared, glu=glu)
+    for glu, shared, width in (
+        (True, 0, 64),
+        (False, 32, 64),
+        (True, 16, 6),
+    ):  # width 6: the loop fallback path
+        cfg = ModelConfig(
+            d_model=width,
+            n_heads=width // 2,
+            num_experts=4,
+            top_k=2,
+            expert_hidden=32,
+            shared_expert_hidden=shared,
+            glu=glu,
+        )
         layer = MoE(cfg)
         x = torch.randn(37, width)
         y, aux = layer(x)

@@ -1,4 +1,7 @@
-"""Training under torchrun (gloo, CPU): 2 ranks with experts split across them reproduce the single process."""
+"""Training under torchrun (gloo, CPU).
+
+2 ranks with experts split across them reproduce the single process.
+"""
 
 import json
 import shutil
@@ -10,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import write_config, write_training_mix
 from moeflow import configs
 from moeflow.configs import ModelConfig, TrainConfig
 from moeflow.moe import launch, train
-from helpers import write_config, write_training_mix
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, expert_hidden=32)
 BASE = {"steps": 12, "batch_size": 8, "seq_len": 32, "lr": 1e-2, "warmup_steps": 2, "checkpoint_every": 4}
@@ -48,7 +51,11 @@ def _assert_same_run(a: Path, b: Path) -> None:
     for x, y in zip(ra, rb):
         for key in ("loss", "ce", "load_balancing_loss", "router_z_loss"):
             assert abs(x[key] - y[key]) <= TOL, (x["step"], key, x[key], y[key])
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= TOL * max(1.0, x["grad_norm"]), (x["step"], x["grad_norm"], y["grad_norm"])
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= TOL * max(1.0, x["grad_norm"]), (
+            x["step"],
+            x["grad_norm"],
+            y["grad_norm"],
+        )
         assert x["tokens_per_expert"] == y["tokens_per_expert"]  # routing decisions are identical
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys()  # the checkpoint holds the whole model, experts gathered from both ranks
@@ -63,11 +70,40 @@ def test_two_ranks_with_expert_parallelism_give_the_single_process_run(data, sin
     assert summary["params_total"] == summary_one["params_total"]  # counted over both ranks' experts
     d = summary["distributed"]
     assert d["world_size"] == 2 and d["expert_parallel"]
-    # each rank's experts processed exactly the assignments routed to them: ranks 0/1 hold experts 0-1/2-3
-    routed = np.sum([r["tokens_per_expert"] for r in _records(tmp_path)], axis=0)  # [layer, expert]
+    records = _records(tmp_path)
+    assert [rank["rank"] for rank in d["ranks"]] == [0, 1]
+    assert all([s["rank"] for s in r["ranks"]] == [0, 1] for r in records)  # every step records both ranks
+    # each rank's experts processed exactly the assignments routed to them: ranks 0/1 hold experts 0-1/2-3,
+    # step by step and over the run
+    routed = np.sum([r["tokens_per_expert"] for r in records], axis=0)  # [layer, expert]
     for rank in d["ranks"]:
-        assert np.array_equal(np.array(rank["expert_tokens"]), routed[:, 2 * rank["rank"] : 2 * rank["rank"] + 2])
-        assert 0 < rank["all_to_all_share"] < 1
+        i = rank["rank"]
+        steps = [r["ranks"][i] for r in records]
+        for r, s in zip(records, steps):
+            assert s["expert_tokens"] == [layer[2 * i : 2 * i + 2] for layer in r["tokens_per_expert"]], (
+                r["step"],
+                i,
+            )
+        assert np.array_equal(np.array(rank["expert_tokens"]), routed[:, 2 * i : 2 * i + 2])
+        # the token all-to-alls run inside the step (forward and backward of both MoE layers)
+        assert all(0 < s["all_to_all_s"] <= s["step_s"] for s in steps), steps
+        # the share is the run's recorded all-to-all seconds over its recorded step seconds
+        a2a_s, step_s = sum(s["all_to_all_s"] for s in steps), sum(s["step_s"] for s in steps)
+        assert rank["all_to_all_share"] == pytest.approx(
+            a2a_s / step_s, abs=1e-4
+        )  # the summary rounds to 4 places
+        assert rank["step_s"] == pytest.approx(step_s, abs=0.01)
+    # rank 0's recorded step time is the one its step's throughput was measured over
+    for r in records:
+        tokens = BASE["batch_size"] * r["seq_len"]
+        assert r["ranks"][0]["step_s"] * r["tokens_per_s"] == pytest.approx(tokens, rel=1e-2), r["step"]
+    # together the ranks' experts processed the single process's assignments: every token's top_k, per layer
+    routed_one = np.sum([r["tokens_per_expert"] for r in _records(one)], axis=0)
+    assert np.array_equal(np.concatenate([rank["expert_tokens"] for rank in d["ranks"]], axis=1), routed_one)
+    assert (
+        routed_one.sum(axis=1).tolist()
+        == [BASE["steps"] * BASE["batch_size"] * BASE["seq_len"] * MODEL.top_k] * MODEL.n_layers
+    )
 
 
 def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data, single, tmp_path):
@@ -81,15 +117,19 @@ def test_two_nodes_started_as_the_readme_says_give_the_single_process_run(data, 
     import subprocess
     import threading
 
-    cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 1, "nnodes": 2,
-                                           "rdzv_endpoint": f"127.0.0.1:{launch.free_port()}"})
+    cfg = TrainConfig(
+        **BASE,
+        distributed={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{launch.free_port()}"},
+    )
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     result: dict = {}
 
     def node0() -> None:
         try:
-            result["summary"] = launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=work)
+            result["summary"] = launch.torchrun(
+                MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=work
+            )
         except Exception as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
@@ -116,17 +156,30 @@ def test_an_interrupted_torchrun_resumes_from_its_last_checkpoint(data, tmp_path
     shutil.rmtree(work / "checkpoints" / "step-0000012")  # as if killed after step 8's checkpoint
     out = tmp_path / "b"
     out.mkdir()
-    summary = launch.torchrun(MODEL, TrainConfig(**BASE, distributed={"nproc_per_node": 2}), seed=7, mix_dir=data,
-                              tokenizer_dir=data, out=out, work=work)
+    summary = launch.torchrun(
+        MODEL,
+        TrainConfig(**BASE, distributed={"nproc_per_node": 2}),
+        seed=7,
+        mix_dir=data,
+        tokenizer_dir=data,
+        out=out,
+        work=work,
+    )
     assert summary["resumed_from_step"] == 8 and first["resumed_from_step"] is None
     ra, rb = _records(tmp_path / "a"), _records(out)
     assert [(r["ce"], r["grad_norm"]) for r in ra] == [(r["ce"], r["grad_norm"]) for r in rb]
 
 
 def test_a_failing_rank_fails_the_launch_with_its_output(data, tmp_path):
-    cfg = TrainConfig(**{**BASE, "steps": 1000}, distributed={"nproc_per_node": 2})  # 1000 x 8 rows > 96 in the mix
-    with pytest.raises(RuntimeError, match="torchrun exited with status 1: ValueError: train: the mix holds 96 sequences"):
-        launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=tmp_path, work=tmp_path / "work")
+    cfg = TrainConfig(
+        **{**BASE, "steps": 1000}, distributed={"nproc_per_node": 2}
+    )  # 1000 x 8 rows > 96 in the mix
+    with pytest.raises(
+        RuntimeError, match="torchrun exited with status 1: ValueError: train: the mix holds 96 sequences"
+    ):
+        launch.torchrun(
+            MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=tmp_path, work=tmp_path / "work"
+        )
 
 
 def test_configs_refuse_what_cannot_be_split(tmp_path):
@@ -135,6 +188,16 @@ def test_configs_refuse_what_cannot_be_split(tmp_path):
     with pytest.raises(ValueError, match="rdzv_endpoint needs a fixed host:port"):
         TrainConfig(distributed={"nnodes": 2})
     with pytest.raises(ValueError, match="num_experts=6 cannot be split over the 4 ranks"):
-        configs.load(write_config(tmp_path / "c.yaml", model={"num_experts": 6}, train={"distributed": {"nproc_per_node": 4}}))
+        configs.load(
+            write_config(
+                tmp_path / "c.yaml", model={"num_experts": 6}, train={"distributed": {"nproc_per_node": 4}}
+            )
+        )
     with pytest.raises(ValueError, match="set model.backend: torch"):
-        configs.load(write_config(tmp_path / "c.yaml", model={"backend": "megablocks"}, train={"distributed": {"nproc_per_node": 2}}))
+        configs.load(
+            write_config(
+                tmp_path / "c.yaml",
+                model={"backend": "megablocks"},
+                train={"distributed": {"nproc_per_node": 2}},
+            )
+        )

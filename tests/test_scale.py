@@ -13,8 +13,20 @@ import pytest
 from helpers import write_config
 from moeflow.moe.launch import free_port
 
-DATA_STAGES = ("sources", "ingest", "filter[0/2]", "filter[1/2]", "filter", "dedup", "benchmarks", "decontaminate",
-               "tokenizer", "tokenize", "overlap", "mix")
+DATA_STAGES = (
+    "sources",
+    "ingest",
+    "filter[0/2]",
+    "filter[1/2]",
+    "filter",
+    "dedup",
+    "benchmarks",
+    "decontaminate",
+    "tokenizer",
+    "tokenize",
+    "overlap",
+    "mix",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +40,31 @@ def ray_cluster(tmp_path_factory):
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
     temp = tmp_path_factory.mktemp("ray")
     try:
-        subprocess.run([ray, "start", "--head", "--port", str(port), "--include-dashboard", "false",
-                        "--temp-dir", str(temp), *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([ray, "start", "--address", address, *common], env=env, check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [
+                ray,
+                "start",
+                "--head",
+                "--port",
+                str(port),
+                "--include-dashboard",
+                "false",
+                "--temp-dir",
+                str(temp),
+                *common,
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        subprocess.run(
+            [ray, "start", "--address", address, *common],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.environ["RAY_AUTH_MODE"] = "disabled"  # for this process's ray.init (the driver)
         yield address
     finally:
@@ -45,10 +78,21 @@ def dask_cluster():
     dask = shutil.which("dask", path=str(Path(sys.executable).parent))
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    procs += [subprocess.Popen([dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", f"w{i}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    procs += [
+        subprocess.Popen(
+            [dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", f"w{i}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(2)
+    ]
     from distributed import Client
 
     try:
@@ -69,23 +113,36 @@ def pooled(prefect_server, smoke_data, tmp_path_factory):
     from moeflow.flows.pretrain import pretrain
 
     tmp = tmp_path_factory.mktemp("processes")
-    config = write_config(tmp / "processes.yaml", store=str(tmp / "store"), filter={"shards": 2},
-                          execution={"runner": "processes", "workers": 2})
+    config = write_config(
+        tmp / "processes.yaml",
+        store=str(tmp / "store"),
+        filter={"shards": 2},
+        execution={"runner": "processes", "workers": 2},
+    )
     return pretrain(config=str(config), until="mix")
 
 
 def _run_on(tmp_path, **execution) -> dict:
     from moeflow.flows.pretrain import pretrain
 
-    config = write_config(tmp_path / "cluster.yaml", store=str(tmp_path / "store"), filter={"shards": 2},
-                          execution={"workers": 2, **execution})
+    config = write_config(
+        tmp_path / "cluster.yaml",
+        store=str(tmp_path / "store"),
+        filter={"shards": 2},
+        execution={"workers": 2, **execution},
+    )
     return pretrain(config=str(config), until="mix")
 
 
 def _assert_same_artifacts(run: dict, pooled: dict) -> None:
     assert set(run["stages"]) == set(pooled["stages"]) == set(DATA_STAGES)
-    for name in DATA_STAGES:  # every artifact: each file's size and xxh3 (ledger included), and the manifest hash
-        manifests = [json.loads((Path(r["stages"][name]["artifact"]) / "manifest.json").read_text()) for r in (run, pooled)]
+    for (
+        name
+    ) in DATA_STAGES:  # every artifact: each file's size and xxh3 (ledger included), and the manifest hash
+        manifests = [
+            json.loads((Path(r["stages"][name]["artifact"]) / "manifest.json").read_text())
+            for r in (run, pooled)
+        ]
         assert manifests[0]["files"] == manifests[1]["files"], name
         assert manifests[0]["hash"] == manifests[1]["hash"], name
 
@@ -94,7 +151,9 @@ def _shard_hosts(run: dict) -> list[dict]:
     """Each filter shard's lineage: built by a Prefect task run, on the host it records."""
     out = []
     for rank in range(2):
-        lineage = json.loads((Path(run["stages"][f"filter[{rank}/2]"]["artifact"]) / "lineage.json").read_text())
+        lineage = json.loads(
+            (Path(run["stages"][f"filter[{rank}/2]"]["artifact"]) / "lineage.json").read_text()
+        )
         assert lineage["prefect"].get("task_run_id")
         out.append(lineage["host"])
     return out

@@ -14,11 +14,33 @@ from moeflow.tokenize import mix, store, tokenizer
 def docs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "kernel", "thou", "art", "def", "return", "\n", "  ", "é", "—"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "kernel",
+        "thou",
+        "art",
+        "def",
+        "return",
+        "\n",
+        "  ",
+        "é",
+        "—",
+    ]
     with DocWriter(folder) as w:
         for i in range(30):
             text = " ".join(rng.choice(words, size=400 + 40 * i)) + "\nend"
-            w.write({"id": f"src/doc{i:02d}", "source": "src", "domain": "a" if i % 3 else "b", "path": "p", "text": text})
+            w.write(
+                {
+                    "id": f"src/doc{i:02d}",
+                    "source": "src",
+                    "domain": "a" if i % 3 else "b",
+                    "path": "p",
+                    "text": text,
+                }
+            )
     return folder
 
 
@@ -33,7 +55,9 @@ def built(docs, tmp_path_factory):
 def test_pieces_cut_at_line_breaks():
     text = ("x" * 90 + "\n") * 50
     parts = store.pieces(text, limit=1000)
-    assert "".join(parts) == text and all(len(p) <= 1000 for p in parts) and all(p.endswith("\n") for p in parts)
+    assert (
+        "".join(parts) == text and all(len(p) <= 1000 for p in parts) and all(p.endswith("\n") for p in parts)
+    )
 
 
 def test_store_round_trips_text_and_shards(built, docs):
@@ -51,9 +75,15 @@ def test_store_round_trips_text_and_shards(built, docs):
 
 def test_every_packed_token_traces_to_its_document(built, tmp_path):
     tok_dir, store_dir, _ = built
-    stats = mix.run(MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1), seed=3,
-                    phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})], batch_size=4,
-                    store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
+    stats = mix.run(
+        MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1),
+        seed=3,
+        phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})],
+        batch_size=4,
+        store_dir=store_dir,
+        tokenizer_dir=tok_dir,
+        out=tmp_path,
+    )
     tokens = store.read_tokens(store_dir)
     eos = tokenizer.load(tok_dir).token_to_id(tokenizer.EOS)
     table = mix.read(tmp_path / "train.arrow")
@@ -67,8 +97,10 @@ def test_every_packed_token_traces_to_its_document(built, tmp_path):
             got = row["tokens"][s["start"] : s["start"] + s["length"]]
             assert got == doc[s["doc_offset"] : s["doc_offset"] + s["length"]].tolist()
     first = table.column("segments")[5].as_py()[0]
-    assert mix.locate(tmp_path / "train.arrow", 5, first["start"]) == {"doc_id": first["doc_id"],
-                                                                       "doc_offset": first["doc_offset"]}
+    assert mix.locate(tmp_path / "train.arrow", 5, first["start"]) == {
+        "doc_id": first["doc_id"],
+        "doc_offset": first["doc_offset"],
+    }
     assert {s["row"] for s in mix.segments_of(tmp_path / "train.arrow", first["doc_id"])} >= {5}
     shares = stats["train_tokens_per_domain"]
     assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.05
@@ -82,9 +114,14 @@ def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
     from moeflow.moe.train import Sequences
 
     tok_dir, store_dir, _ = built
-    phases = [_phase("short", 0, 6, 16, {"a": 0.8, "b": 0.2}), _phase("long", 6, 4, 48, {"a": 0.2, "b": 0.8}, index=1)]
+    phases = [
+        _phase("short", 0, 6, 16, {"a": 0.8, "b": 0.2}),
+        _phase("long", 6, 4, 48, {"a": 0.2, "b": 0.8}, index=1),
+    ]
     cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1)
-    stats = mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
+    stats = mix.run(
+        cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path
+    )
     data = Sequences(tmp_path / "train.arrow")
     assert len(data) == 40 and data.phase.tolist() == [0] * 24 + [1] * 16
     assert data.rows(0, 24).shape == (24, 17) and data.rows(24, 40).shape == (16, 49)
@@ -93,7 +130,9 @@ def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
     for ph, want in zip(stats["phases"], (0.8, 0.2)):
         got = ph["tokens_per_domain"]
         assert ph["tokens"] == sum(got.values()) and abs(got["a"] / ph["tokens"] - want) < 0.05, ph
-    assert mix.read(tmp_path / "heldout.arrow").column("tokens").type.list_size == 49  # the last phase's length
+    assert (
+        mix.read(tmp_path / "heldout.arrow").column("tokens").type.list_size == 49
+    )  # the last phase's length
     # the same seed gives the same file; a loader resumed at any step boundary yields the same batches
     again = tmp_path / "again"
     again.mkdir()
@@ -107,11 +146,20 @@ def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
 
 def test_a_phase_needing_too_many_epochs_is_a_config_error_naming_it(built, tmp_path):
     tok_dir, store_dir, _ = built
-    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1, max_epochs=2,
-                    phases=({"name": "p0", "fraction": 0.5}, {"name": "p1"}))
-    phases = [_phase("p0", 0, 5, 32, {"a": 0.5, "b": 0.5}), _phase("p1", 5, 400, 32, {"a": 0.1, "b": 0.9}, index=1)]
+    cfg = MixConfig(
+        weights={"a": 0.5, "b": 0.5},
+        heldout_fraction=0.1,
+        max_epochs=2,
+        phases=({"name": "p0", "fraction": 0.5}, {"name": "p1"}),
+    )
+    phases = [
+        _phase("p0", 0, 5, 32, {"a": 0.5, "b": 0.5}),
+        _phase("p1", 5, 400, 32, {"a": 0.1, "b": 0.9}, index=1),
+    ]
     with pytest.raises(ConfigError, match=r"mix\.phases\.1: phase 'p1' needs domain 'b' repeated \d+ times"):
-        mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path)
+        mix.run(
+            cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path
+        )
 
 
 def test_gpt2_tokenizer_from_the_fetched_package(tmp_path, docs):

@@ -1,4 +1,4 @@
-"""Domain mixing: hold out documents for evaluation, sample training documents by domain weight, pack sequences.
+"""Domain mixing: hold out evaluation documents, sample training documents by domain weight, pack sequences.
 
 Held-out documents are chosen by a hash of their id (stable whatever else changes), at least one
 per domain that has two or more documents. Training documents are drawn per domain in a seeded
@@ -29,15 +29,18 @@ from moeflow.tokenize.store import read_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 4
-SEGMENT = pa.struct([("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())])
+SEGMENT = pa.struct(
+    [("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())]
+)
 
 
 def is_heldout(doc_id: str, fraction: float) -> bool:
     return xxhash.xxh3_64_intdigest(doc_id.encode()) % 1_000_000 < fraction * 1_000_000
 
 
-def pack(docs: list[tuple[str, int, bool]], seq_len: int, max_sequences: int | None = None) -> list[list[dict]]:
+def pack(
+    docs: list[tuple[str, int, bool]], seq_len: int, max_sequences: int | None = None
+) -> list[list[dict]]:
     """Pack (doc id, token count, complete) into rows of seq_len+1 tokens: each row's segments; a
     partial last row is dropped. Lengths only: `rows` fills them with tokens afterwards.
 
@@ -77,15 +80,21 @@ def rows(segments: list[list[dict]], tokens: dict[str, np.ndarray], eos: int) ->
     return out
 
 
-def _write(path: Path, rows, segments, domains: list[str] | None, vocab_size: int, phases: list[int] | None = None) -> None:
+def _write(
+    path: Path, rows, segments, domains: list[str] | None, vocab_size: int, phases: list[int] | None = None
+) -> None:
     """Rows of one width become a fixed-size list column; rows of several widths (phases) a list column."""
     ttype = pa.uint16() if vocab_size <= 65536 else pa.uint32()
     widths = {len(r) for r in rows}
-    flat = pa.array((np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)).astype(ttype.to_pandas_dtype()))
+    flat = pa.array(
+        (np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)).astype(ttype.to_pandas_dtype())
+    )
     if len(widths) <= 1:
         tokens = pa.FixedSizeListArray.from_arrays(flat, widths.pop() if widths else 0)
     else:
-        tokens = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum([len(r) for r in rows])]), pa.int32()), flat)
+        tokens = pa.ListArray.from_arrays(
+            pa.array(np.concatenate([[0], np.cumsum([len(r) for r in rows])]), pa.int32()), flat
+        )
     cols = {"tokens": tokens, "segments": pa.array(segments, type=pa.list_(SEGMENT))}
     if domains is not None:
         cols["domain"] = pa.array(domains, type=pa.string())
@@ -111,8 +120,29 @@ class _Domain:
         return self.ids[self.order.pop()]
 
 
-def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, store_dir: Path, tokenizer_dir: Path,
-        out: Path) -> dict:
+def stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `mix` (and `rung_mix`) stage's body: `s` holds mix, seed, batch_size and the resolved phases."""
+    return run(
+        s["mix"],
+        seed=s["seed"],
+        phases=s["phases"],
+        batch_size=s["batch_size"],
+        store_dir=inputs["shards"].dir,
+        tokenizer_dir=inputs["tokenizer"].dir,
+        out=out,
+    )
+
+
+def run(
+    cfg: MixConfig,
+    *,
+    seed: int,
+    phases: list[Phase],
+    batch_size: int,
+    store_dir: Path,
+    tokenizer_dir: Path,
+    out: Path,
+) -> dict:
     """Write `train.arrow` (every phase's sequences in training order) and `heldout.arrow` (at the last
     phase's context length); raise ConfigError when a phase needs more repetition than `max_epochs`."""
     import pyarrow.parquet as pq
@@ -120,7 +150,9 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
-    length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
+    length = {
+        r["doc_id"]: r["tokens"] for r in index
+    }  # sampling and packing need lengths; tokens are read last
     by_domain: dict[str, list[str]] = {}
     for r in index:
         if r["tokens"] > 0:
@@ -128,8 +160,10 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
     for ph in phases:
         missing = sorted(d for d, w in ph.weights.items() if w > 0 and d not in by_domain)
         if missing:
-            raise ConfigError(f"mix: phase {ph.name!r} asks for domains {missing}, but no document of them survived "
-                              "the data stages")
+            raise ConfigError(
+                f"mix: phase {ph.name!r} asks for domains {missing}, but no document of them survived "
+                "the data stages"
+            )
     heldout: dict[str, list[str]] = {}
     train: dict[str, list[str]] = {}
     for domain, ids in sorted(by_domain.items()):
@@ -162,22 +196,36 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
                 got += take + 1
             if source.epochs > cfg.max_epochs:
                 field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
-                raise ConfigError(f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
-                                  f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
-                                  f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs")
+                raise ConfigError(
+                    f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
+                    f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
+                    f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs"
+                )
         order = rng.permutation(len(drawn))
         segments = pack([drawn[i] for i in order], ph.seq_len, max_sequences=num_sequences)
         if len(segments) < num_sequences:
-            raise ValueError(f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences")
+            raise ValueError(
+                f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences"
+            )
         # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
         # fill many consecutive batches, and the loss would swing with whatever document is current.
         perm = rng.permutation(len(segments))
         all_segments += [segments[i] for i in perm]
         phase_col += [ph.index] * len(segments)
-        plan.append({"name": ph.name, "start_step": ph.start_step, "steps": ph.steps, "seq_len": ph.seq_len,
-                     "sequences": len(segments), "tokens": len(segments) * (ph.seq_len + 1), "weights": ph.weights,
-                     "target_tokens": targets, "tokens_per_domain": _per_domain([segments[i] for i in perm], index),
-                     "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs}})
+        plan.append(
+            {
+                "name": ph.name,
+                "start_step": ph.start_step,
+                "steps": ph.steps,
+                "seq_len": ph.seq_len,
+                "sequences": len(segments),
+                "tokens": len(segments) * (ph.seq_len + 1),
+                "weights": ph.weights,
+                "target_tokens": targets,
+                "tokens_per_domain": _per_domain([segments[i] for i in perm], index),
+                "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs},
+            }
+        )
     last = phases[-1].seq_len
     ho_segs, ho_domains = [], []
     for domain, ids in sorted(heldout.items()):
@@ -190,10 +238,22 @@ def run(cfg: MixConfig, *, seed: int, phases: list[Phase], batch_size: int, stor
     _write(out / "heldout.arrow", rows(ho_segs, tokens, eos), ho_segs, ho_domains, vocab)
     per_domain = _per_domain(all_segments, index)
     return {
-        "seed": seed, "batch_size": batch_size, "seq_len": last, "train_sequences": len(all_segments),
-        "train_tokens": sum(p["tokens"] for p in plan), "train_tokens_per_domain": per_domain, "phases": plan,
-        "plan": {d: {"documents": len(train[d]), "training_tokens_available": domain_tokens[d], "epochs": s.epochs,
-                     "tokens": per_domain.get(d, 0)} for d, s in domains.items()},
+        "seed": seed,
+        "batch_size": batch_size,
+        "seq_len": last,
+        "train_sequences": len(all_segments),
+        "train_tokens": sum(p["tokens"] for p in plan),
+        "train_tokens_per_domain": per_domain,
+        "phases": plan,
+        "plan": {
+            d: {
+                "documents": len(train[d]),
+                "training_tokens_available": domain_tokens[d],
+                "epochs": s.epochs,
+                "tokens": per_domain.get(d, 0),
+            }
+            for d, s in domains.items()
+        },
         "heldout_documents": {d: len(v) for d, v in sorted(heldout.items())},
         "heldout_sequences": {d: ho_domains.count(d) for d in sorted(heldout)},
         "heldout_doc_ids": {d: sorted(v) for d, v in sorted(heldout.items())},

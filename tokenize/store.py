@@ -18,7 +18,6 @@ from moeflow.configs import TokenizerConfig
 from moeflow.documents import count_docs, iter_docs
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-VERSION = 2
 INDEX = "index.parquet"
 PIECE_CHARS = 16_384
 BATCH_CHARS = 4_000_000  # text per encode_batch call: large enough to keep every core busy
@@ -53,7 +52,14 @@ def encode_docs(tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int64) for ids in out]
 
 
-def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
+def stage(cfg: TokenizerConfig, inputs: dict, out: Path) -> dict:
+    """The `tokenize` stage's body: its `docs` input encoded with its `tokenizer` input."""
+    return run(cfg, inputs["docs"].dir, inputs["tokenizer"].dir, out)
+
+
+def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path, sample_rows: int = 3) -> dict:
+    """Write the shards and `index.parquet` into `out`; return stats, with per shard its counts and its first
+    `sample_rows` documents' raw files (what the card's drill-down shows, from the lineage record alone)."""
     tok = load_tokenizer(tokenizer_dir)
     ttype = token_type(tok.get_vocab_size())
     schema = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
@@ -61,6 +67,7 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
     index = {"doc_id": [], "source": [], "domain": [], "shard": [], "row": [], "tokens": []}
     shard_no, rows_in_shard, tokens_in_shard, writer = 0, 0, 0, None
     per_domain: dict[str, int] = {}
+    paths: dict[tuple[int, int], str] = {}  # (shard, row) -> raw file, for each shard's first rows
     total = count_docs(docs_dir)
     batch: list[dict] = []
     batch_chars = 0
@@ -74,19 +81,35 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
         if writer is None:
             writer = pa.ipc.new_file(out / f"shard-{shard_no:05d}.arrow", schema,
                                      options=pa.ipc.IpcWriteOptions(compression="zstd"))
-        writer.write_table(pa.table({"doc_id": [r["id"] for r, _ in pending], "source": [r["source"] for r, _ in pending],
-                                     "domain": [r["domain"] for r, _ in pending],
-                                     "tokens": pa.array([t for _, t in pending], type=pa.large_list(ttype))}, schema=schema))
+        writer.write_table(
+            pa.table(
+                {
+                    "doc_id": [r["id"] for r, _ in pending],
+                    "source": [r["source"] for r, _ in pending],
+                    "domain": [r["domain"] for r, _ in pending],
+                    "tokens": pa.array([t for _, t in pending], type=pa.large_list(ttype)),
+                },
+                schema=schema,
+            )
+        )
         pending.clear()
 
     def flush(batch: list[dict]) -> None:
         nonlocal shard_no, rows_in_shard, tokens_in_shard, writer
         for r, toks in zip(batch, encode_docs(tok, [r["text"] for r in batch])):
             pending.append((r, toks))
-            for k, v in (("doc_id", r["id"]), ("source", r["source"]), ("domain", r["domain"]),
-                         ("shard", shard_no), ("row", rows_in_shard), ("tokens", len(toks))):
+            for k, v in (
+                ("doc_id", r["id"]),
+                ("source", r["source"]),
+                ("domain", r["domain"]),
+                ("shard", shard_no),
+                ("row", rows_in_shard),
+                ("tokens", len(toks)),
+            ):
                 index[k].append(v)
             per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + len(toks)
+            if rows_in_shard < sample_rows:
+                paths[(shard_no, rows_in_shard)] = r["path"]
             rows_in_shard += 1
             tokens_in_shard += len(toks)
             if tokens_in_shard >= cfg.shard_tokens:
@@ -107,8 +130,34 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
         writer.close()
         shard_no += 1
     pq.write_table(pa.table(index), out / INDEX)
-    return {"documents": len(index["doc_id"]), "tokens": int(sum(index["tokens"])), "shards": shard_no,
-            "tokens_per_domain": dict(sorted(per_domain.items())), "token_type": str(ttype)}
+    return {
+        "documents": len(index["doc_id"]),
+        "tokens": int(sum(index["tokens"])),
+        "shards": shard_no,
+        "tokens_per_domain": dict(sorted(per_domain.items())),
+        "token_type": str(ttype),
+        "by_shard": _by_shard(index, paths),
+    }
+
+
+def _by_shard(index: dict[str, list], paths: dict[tuple[int, int], str]) -> list[dict]:
+    """Per shard: documents, tokens, documents per source, and the rows in `paths` with their raw file."""
+    shards: list[dict] = []
+    columns = (index[k] for k in ("doc_id", "source", "shard", "row", "tokens"))
+    for doc_id, source, shard, row, tokens in zip(*columns):
+        if shard == len(shards):
+            shards.append({"shard": shard, "documents": 0, "tokens": 0, "sources": {}, "first_rows": []})
+        s = shards[shard]
+        s["documents"] += 1
+        s["tokens"] += tokens
+        s["sources"][source] = s["sources"].get(source, 0) + 1
+        if (shard, row) in paths:
+            s["first_rows"].append(
+                {"row": row, "doc_id": doc_id, "tokens": tokens, "path": paths[shard, row]}
+            )
+    for s in shards:
+        s["sources"] = dict(sorted(s["sources"].items()))
+    return shards
 
 
 def iter_tokens(store_dir: Path, ids: set[str] | None = None):

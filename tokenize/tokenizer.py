@@ -16,7 +16,6 @@ from moeflow.configs import TokenizerConfig, TokenizerKind
 from moeflow.documents import iter_docs
 from moeflow.sources import fetch
 
-VERSION = 1
 EOS = "<|endoftext|>"
 TOKENIZER = "tokenizer.json"
 
@@ -33,9 +32,16 @@ def build(cfg: TokenizerConfig, docs_dir: Path, out: Path) -> dict:
         tok.add_special_tokens([EOS])
     else:
         tok = ByteLevelBPETokenizer()
-        tok.train_from_iterator(_texts(docs_dir), vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False)
+        tok.train_from_iterator(
+            _texts(docs_dir), vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False
+        )
     tok.save(str(out / TOKENIZER))
     return {"kind": cfg.kind.value, "vocab_size": tok.get_vocab_size(), "eos_id": tok.token_to_id(EOS)}
+
+
+def stage(cfg: TokenizerConfig, inputs: dict, out: Path) -> dict:
+    """The `tokenizer` stage's body: trained on its `docs` input (or GPT-2's files)."""
+    return build(cfg, inputs["docs"].dir, out)
 
 
 def load(folder: Path) -> Tokenizer:

@@ -1,0 +1,110 @@
+"""The code part of a stage's key: a normalised hash of the moeflow modules a body reaches by import.
+
+A module's hash is taken over its syntax tree with docstrings removed (comments never reach the tree),
+so editing a comment or a docstring changes no key, while editing any statement does. The modules
+counted are the body's own and every moeflow module it imports, at any depth and from inside
+functions too (an import anywhere in the file counts), with the packages that hold them.
+Library versions that shape a stage's output are taken from the installed distributions.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.metadata
+from pathlib import Path
+
+import xxhash
+
+PACKAGE = "moeflow"
+# Modules that are data, not code: the registry's pins and extraction rules enter a stage's key as the
+# fetched identities of the packages it reads, so a bumped pin rebuilds only the stages reading it.
+DATA_MODULES = frozenset({"moeflow.sources.registry"})
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_file(module: str) -> Path | None:
+    """The file of a moeflow module or package (`__init__.py`); None for a namespace folder or a name
+    that is not a module (an attribute imported with `from pkg import name`)."""
+    base = PACKAGE_ROOT.joinpath(*module.split(".")[1:])
+    if module != PACKAGE and base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    init = base / "__init__.py"
+    return init if init.is_file() else None
+
+
+def _is_module(module: str) -> bool:
+    parts = module.split(".")[1:]
+    base = PACKAGE_ROOT.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or base.is_dir()
+
+
+def _imports(module: str, tree: ast.AST) -> set[str]:
+    """The moeflow modules a module's tree imports (their parent packages included)."""
+    path = module_file(module)
+    here = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}"))
+    out = set()
+    for name in found:
+        if name == PACKAGE or name.startswith(PACKAGE + "."):
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {m for m in out if _is_module(m) or m == PACKAGE}
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+@functools.cache
+def _parsed(module: str) -> tuple[str, frozenset[str]]:
+    """(normalised hash, imported moeflow modules) of one module; a namespace folder hashes as empty."""
+    path = module_file(module)
+    if path is None:
+        return "", frozenset()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imports = frozenset(_imports(module, tree))
+    dump = ast.dump(_strip_docstrings(tree), annotate_fields=False, include_attributes=False)
+    return xxhash.xxh3_64_hexdigest(dump.encode()), imports
+
+
+@functools.cache
+def closure(module: str) -> dict[str, str]:
+    """Every moeflow module `module` reaches by import, itself included -> its normalised hash."""
+    seen: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        digest, imports = _parsed(name)
+        seen[name] = digest
+        todo += sorted(imports - set(seen) - DATA_MODULES)
+    return {k: seen[k] for k in sorted(seen) if seen[k]}
+
+
+def libraries(names: tuple[str, ...]) -> dict[str, str]:
+    """Installed versions of the distributions `names` ("absent" when one is not installed)."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out

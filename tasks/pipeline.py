@@ -1,0 +1,144 @@
+"""Runs the flow's stage tasks in order.
+
+Shards on the configured task runner, `rerun` and `until`, what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from prefect.task_runners import ProcessPoolTaskRunner
+
+from moeflow.configs import RunConfig
+from moeflow.lineage.artifacts import Manifest, Store
+from moeflow.tasks.stages import STAGES, TASKS, Inputs, artifact_key
+
+log = logging.getLogger(__name__)
+
+
+def check_stages(rerun, until) -> None:
+    unknown = sorted(set(rerun) - set(STAGES)) + ([until] if until and until not in STAGES else [])
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; stages are: {', '.join(STAGES)}")
+
+
+def _runner(cfg: RunConfig, shards: int):
+    """The task runner for shard tasks (`execution` in the config). Processes, not threads: the filters
+    hold the GIL, and spaCy's tokenizer (datatrove's word splitter) corrupts its vocabulary when two
+    threads share it."""
+    ex = cfg.execution
+    workers = ex.workers or os.cpu_count() or 1
+    if ex.runner == "ray":
+        from prefect_ray import RayTaskRunner
+
+        if ex.ray_address:
+            return RayTaskRunner(address=ex.ray_address)
+        return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
+    if ex.runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if ex.dask_address:
+            return DaskTaskRunner(address=ex.dask_address)
+        return DaskTaskRunner(
+            cluster_kwargs={
+                "n_workers": min(shards, workers),
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+            }
+        )
+    return ProcessPoolTaskRunner(max_workers=min(shards, workers))
+
+
+class Pipeline:
+    """Runs stage tasks in the order the flow calls them; honours `rerun` and `until`; records what ran."""
+
+    def __init__(self, cfg: RunConfig, rerun: list[str] | tuple[str, ...] = (), until: str | None = None):
+        check_stages(rerun, until)
+        self.cfg, self.rerun, self.until = cfg, set(rerun), until
+        self.done = False
+        self.stages: dict[str, dict] = {}
+
+    def subflow(self, flow_, *args):
+        """Run a Prefect subflow of stages (the ladder) with this pipeline."""
+        return flow_(self, *args)
+
+    def vocab(self, tok: Manifest) -> int:
+        from moeflow.tokenize import tokenizer
+
+        return tokenizer.load(tok.dir).get_vocab_size()
+
+    def __call__(
+        self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None, **inputs: Manifest
+    ) -> Manifest | None:
+        """Run `stage` (with `cfg` instead of the run's config, e.g. a ladder rung's; recorded as `label`)."""
+        if self.done:
+            return None
+        cfg = cfg or self.cfg
+        force = stage in self.rerun
+        task_ = TASKS[stage].with_options(
+            refresh_cache=force,
+            task_run_name=label or stage,
+            result_storage=self.cfg.store_path() / ".prefect-results",
+        )
+        parts = self._shards(stage, cfg, inputs, task_, force, label or stage)
+        state = task_(stage, cfg, inputs, force=force, parts=parts, return_state=True)
+        manifest = self._record(
+            label or stage,
+            state,
+            lambda: task_.with_options(refresh_cache=True)(
+                stage, cfg, inputs, parts=parts, return_state=True
+            ),
+        )
+        self.done = stage == self.until
+        return manifest
+
+    def _shards(
+        self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool, label: str
+    ) -> list[Manifest] | None:
+        """A sharded stage whose joined artifact is not stored yet: its shards as concurrent tasks.
+
+        Each shard task is cached.
+        """
+        st = STAGES[stage]
+        n = st.shards(st.config(cfg)) if st.shards else 1
+        if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
+            return None
+        with _runner(cfg, n) as runner:
+            futures = [
+                runner.submit(
+                    task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
+                    {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force, "shard": (r, n)},
+                )
+                for r in range(n)
+            ]
+            for future in futures:
+                future.wait()
+        parts = []
+        for r, future in enumerate(futures):
+            retry = task_.with_options(refresh_cache=True, task_run_name=f"{label}[{r}/{n}]")
+            parts.append(
+                self._record(
+                    f"{label}[{r}/{n}]",
+                    future.state,
+                    lambda r=r, retry=retry: retry(stage, cfg, inputs, shard=(r, n), return_state=True),
+                )
+            )
+        return parts
+
+    def _record(self, label: str, state, rebuild) -> Manifest:
+        manifest: Manifest = state.result()
+        if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
+            log.warning("%s: cached result points at missing %s; rebuilding", label, manifest.path)
+            state = rebuild()
+            manifest = state.result()
+        made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
+        self.stages[label] = {
+            "artifact": manifest.path,
+            "hash": manifest.hash,
+            "content_hash": manifest.content_hash,
+            "reused": made_by != str(state.state_details.task_run_id),
+        }
+        return manifest

@@ -1,0 +1,40 @@
+"""Conservation across stages: a stage must read exactly the documents its upstream artifact recorded."""
+
+import pytest
+
+from moeflow import configs
+from moeflow.documents import DocWriter
+from moeflow.lineage.artifacts import Store
+from moeflow.lineage.ledger import ConservationError
+from moeflow.tasks.stages import materialize
+
+TEXT = "the quick brown fox jumps over the lazy dog and keeps running through the field " * 5
+
+
+def _docs_artifact(store: Store, n_written: int, n_recorded: int):
+    """A `filter` artifact whose docs file holds `n_written` documents while its record says `n_recorded`."""
+    tmp = store.staging("filter")
+    with DocWriter(tmp) as writer:
+        for i in range(n_written):
+            writer.write(
+                {"id": f"s/doc{i}", "source": "s", "domain": "d", "path": "p", "text": f"{i} {TEXT}"}
+            )
+    stats = {"documents_in": n_recorded, "documents_out": n_recorded, "fates": {"kept": n_recorded}}
+    lineage = {"stage": "filter", "config": {}, "inputs": {}, "finished_at": "t", "started_at": "t"}
+    return store.commit("filter", f"lost{n_written}{n_recorded}", tmp, stats, lineage)
+
+
+@pytest.mark.parametrize("written,recorded", [(3, 3), (2, 3)])
+def test_a_lost_document_fails_the_next_stage_naming_both_counts(tmp_path, written, recorded):
+    cfg = configs.load("smoke", store=str(tmp_path / "store"))
+    docs = _docs_artifact(Store(cfg.store_path()), written, recorded)
+    if written == recorded:
+        assert materialize("dedup", cfg, {"docs": docs}).stats["documents_in"] == written
+        return
+    with pytest.raises(
+        ConservationError,
+        match=rf"stage dedup: read {written} documents, but its input "
+        rf"filter-{docs.hash} recorded {recorded} output documents",
+    ):
+        materialize("dedup", cfg, {"docs": docs})
+    assert not list((tmp_path / "store" / "dedup").glob("dedup-*")), "nothing may be published"

