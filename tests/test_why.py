@@ -20,7 +20,7 @@ UPSTREAM_OF_DEDUP = ("sources", "ingest", "filter")
 
 
 def _copy_package(tmp: Path) -> Path:
-    """A copy of the moeflow package (no tests, venv or git), importable as `moeflow` from the returned path."""
+    """A copy of the package (no tests, venv or git) importable as `moeflow` from the returned folder."""
     dest = tmp / "src" / "moeflow"
     shutil.copytree(
         ROOT,
