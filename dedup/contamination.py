@@ -203,7 +203,7 @@ class Index:
     BITS = 27
 
     def __init__(self, folder: Path):
-        data = np.load(Path(folder) / "index.npz")
+        data = np.load(Path(folder) / "index.npz", allow_pickle=False)
         self.hashes, self.owners = data["hashes"], data["owners"]
         self.items = pq.read_table(Path(folder) / "items.parquet").to_pylist()
         self._mask = np.uint64((1 << self.BITS) - 1)

@@ -60,6 +60,10 @@ class Pipeline:
         self.cfg, self.rerun, self.until = cfg, set(rerun), until
         self.done = False
         self.stages: dict[str, dict] = {}
+        legacy = cfg.store_path() / ".prefect-results"
+        if legacy.exists():
+            log.warning("%s holds Prefect result pickles from an older moeflow; they are never read (reuse "
+                        "comes from artifact manifests): delete the folder", legacy)
 
     def subflow(self, flow_, *args):
         """Run a Prefect subflow of stages (the ladder) with this pipeline."""
@@ -70,75 +74,41 @@ class Pipeline:
 
         return tokenizer.load(tok.dir).get_vocab_size()
 
-    def __call__(
-        self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None, **inputs: Manifest
-    ) -> Manifest | None:
+    def __call__(self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None,
+                 **inputs: Manifest) -> Manifest | None:
         """Run `stage` (with `cfg` instead of the run's config, e.g. a ladder rung's; recorded as `label`)."""
         if self.done:
             return None
         cfg = cfg or self.cfg
         force = stage in self.rerun
-        task_ = TASKS[stage].with_options(
-            refresh_cache=force,
-            task_run_name=label or stage,
-            result_storage=self.cfg.store_path() / ".prefect-results",
-        )
+        task_ = TASKS[stage].with_options(task_run_name=label or stage)
         parts = self._shards(stage, cfg, inputs, task_, force, label or stage)
         state = task_(stage, cfg, inputs, force=force, parts=parts, return_state=True)
-        manifest = self._record(
-            label or stage,
-            state,
-            lambda: task_.with_options(refresh_cache=True)(
-                stage, cfg, inputs, parts=parts, return_state=True
-            ),
-        )
+        manifest = self._record(label or stage, state)
         self.done = stage == self.until
         return manifest
 
-    def _shards(
-        self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool, label: str
-    ) -> list[Manifest] | None:
-        """A sharded stage whose joined artifact is not stored yet: its shards as concurrent tasks.
-
-        Each shard task is cached.
-        """
+    def _shards(self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool,
+                label: str) -> list[Manifest] | None:
+        """A sharded stage whose joined artifact is not stored yet: its shards as concurrent tasks, each
+        its own artifact."""
         st = STAGES[stage]
         n = st.shards(st.config(cfg)) if st.shards else 1
         if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
             return None
         with _runner(cfg, n) as runner:
-            futures = [
-                runner.submit(
-                    task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
-                    {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force, "shard": (r, n)},
-                )
-                for r in range(n)
-            ]
+            futures = [runner.submit(task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
+                                     {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
+                                      "shard": (r, n)})
+                       for r in range(n)]
             for future in futures:
                 future.wait()
-        parts = []
-        for r, future in enumerate(futures):
-            retry = task_.with_options(refresh_cache=True, task_run_name=f"{label}[{r}/{n}]")
-            parts.append(
-                self._record(
-                    f"{label}[{r}/{n}]",
-                    future.state,
-                    lambda r=r, retry=retry: retry(stage, cfg, inputs, shard=(r, n), return_state=True),
-                )
-            )
-        return parts
+        return [self._record(f"{label}[{r}/{n}]", future.state) for r, future in enumerate(futures)]
 
-    def _record(self, label: str, state, rebuild) -> Manifest:
+    def _record(self, label: str, state) -> Manifest:
         manifest: Manifest = state.result()
-        if not (manifest.dir / "manifest.json").exists():  # Prefect's cache outlived the artifact: rebuild it
-            log.warning("%s: cached result points at missing %s; rebuilding", label, manifest.path)
-            state = rebuild()
-            manifest = state.result()
         made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
-        self.stages[label] = {
-            "artifact": manifest.path,
-            "hash": manifest.hash,
-            "content_hash": manifest.content_hash,
-            "reused": made_by != str(state.state_details.task_run_id),
-        }
+        self.stages[label] = {"artifact": manifest.path, "hash": manifest.hash,
+                              "content_hash": manifest.content_hash,
+                              "reused": made_by != str(state.state_details.task_run_id)}
         return manifest

@@ -4,9 +4,10 @@ A stage is declared once: the config slice its body receives, its body (a plain 
 stage's own package: `body(slice, inputs, out)`), the libraries that shape its output and the files
 it reads from outside the store. The key is derived from that declaration alone (`lineage.keys`):
 the slice less its operational fields, the normalised code of the modules the body reaches, those
-libraries' versions, the fetched files' identities and the inputs' content hashes. The Prefect
-task's `cache_key_fn` returns the same key with persisted results; inside the task the store is
-checked again. A record stage (`filter`) runs as shards, each cached as its own artifact, then joined.
+libraries' versions, the fetched files' identities and the inputs' content hashes. Reuse is decided
+by the store alone: a task whose artifact is there returns its manifest at once. Prefect caches and
+persists nothing (its results are pickles; a store that others can write must never run code).
+A record stage (`filter`) runs as shards, each its own artifact, then joined.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE
 
 from moeflow import filters, ingest
 from moeflow.card import publish
@@ -332,18 +333,6 @@ def _build(
     return manifest
 
 
-def _cache_key(context, parameters: dict) -> str:
-    """Prefect's cache key is the artifact's key.
-
-    Results persist in the store (`<store>/.prefect-results`).
-    """
-    stage, shard = STAGES[parameters["stage_name"]], parameters.get("shard")
-    shard = tuple(shard) if shard else None
-    return (
-        f"{artifact_name(stage, shard)}-{artifact_key(stage, parameters['cfg'], parameters['inputs'], shard)}"
-    )
-
-
 def _make_task(stage: Stage):
     def run_stage(
         stage_name: str,
@@ -355,13 +344,10 @@ def _make_task(stage: Stage):
     ) -> Manifest:
         return materialize(stage_name, cfg, inputs, force=force, shard=shard, parts=parts)
 
-    return task(
-        name=stage.name,
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key),
-        persist_result=True,
-        task_run_name=f"{stage.name}",
-        log_prints=True,
-    )(run_stage)
+    # No Prefect cache and no persisted result: reuse is decided by the artifact store alone (the task
+    # returns at once when its manifest is there), so a cache hit never unpickles a file from the store.
+    return task(name=stage.name, cache_policy=NO_CACHE, persist_result=False, task_run_name=stage.name,
+                log_prints=True)(run_stage)
 
 
 TASKS = {name: _make_task(stage) for name, stage in STAGES.items()}

@@ -67,7 +67,7 @@ def copy(smoke_run, tmp_path):
     """A copy of the package and of the cold smoke run's store, with a config pointing at that store."""
     path, summary = smoke_run
     store = tmp_path / "store"
-    shutil.copytree(summary["store"], store, ignore=shutil.ignore_patterns(".prefect-results"))
+    shutil.copytree(summary["store"], store)
     config = write_config(tmp_path / "smoke.yaml", store=str(store))
     return _copy_package(tmp_path), config
 
