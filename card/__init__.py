@@ -348,8 +348,7 @@ def render_card(graph: dict[str, dict]) -> str:
                 ["source hash", code["source_hash"]],
                 [
                     "hardware",
-                    f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
-                    + (f", {train['host']['cuda']}" if train["host"].get("cuda") else ""),
+                    _hardware(train),
                 ],
             ],
         ),
@@ -466,6 +465,16 @@ def render_card(graph: dict[str, dict]) -> str:
         "",
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def _hardware(train: dict) -> str:
+    """The device training computed on (recorded by the run), then the host it ran on."""
+    host = f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
+    dev = train["stats"].get("device")
+    if dev is None:  # recorded before runs named their device
+        return host + (f", {train['host']['cuda']}" if train["host"].get("cuda") else "")
+    what = f"{dev['count']} x {dev['name']}" if dev["type"] == "cuda" else f"CPU ({dev['name'] or 'unknown'})"
+    return f"trained on {what}; host {host}"
 
 
 def _ranks_section(d: dict, model: dict) -> list[str]:

@@ -325,6 +325,8 @@ class TrainConfig(Frozen):
     warmup_steps: int = Field(default=20, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
+    # where it computes (auto: CUDA when present); like the number of ranks, not part of the key
+    device: Literal["auto", "cpu", "cuda"] = operational("auto")
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast where the device supports it
     load_balance_coef: float = Field(default=0.01, ge=0)
     router_z_coef: float = Field(default=0.001, ge=0)

@@ -75,6 +75,8 @@ def save(
             else:
                 scalars[f"{idx}.{name}"] = value
     tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():  # this rank's GPU generator (router jitter draws on it there)
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     meta = {"step": step, "param_groups": opt_state["param_groups"], "optimizer_entries": scalars, **state}
     (tmp / STATE).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -112,4 +114,6 @@ def load(
         state.setdefault(int(idx), {})[name] = value
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
     return meta

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from moeflow.configs import EvalConfig, ModelConfig
+from moeflow.moe import device
 from moeflow.moe.model import Transformer
 from moeflow.moe.train import lm_loss, sequences
 from moeflow.tokenize import mix
@@ -31,14 +32,15 @@ def load_model(train_dir: Path) -> Transformer:
 
 @torch.no_grad()
 def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
-    model = load_model(train_dir)
+    dev = device.resolve("auto")
+    model = load_model(train_dir).to(dev)
     path = Path(mix_dir) / "heldout.arrow"
     data = sequences(path)
     domains = np.asarray(mix.read(path).column("domain").to_pylist())
     results = {}
     for domain in sorted(set(domains.tolist())):
         rows = data[domains == domain][: cfg.max_sequences_per_domain]
-        losses = [lm_loss(model, torch.from_numpy(rows[i : i + 8]))[0].item() * len(rows[i : i + 8])
+        losses = [lm_loss(model, device.batch(rows[i : i + 8], dev))[0].item() * len(rows[i : i + 8])
                   for i in range(0, len(rows), 8)]
         loss = sum(losses) / len(rows)
         results[domain] = {

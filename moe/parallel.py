@@ -38,6 +38,7 @@ class World:
     size: int
     local_size: int
     expert_parallel: bool
+    device: torch.device  # where collectives' tensors live (CUDA for NCCL)
     group: object = None
     all_to_all_s: float = 0.0  # seconds spent in the token all-to-all since the last `take_timer`
     received: list = field(
@@ -139,7 +140,8 @@ class World:
         Expert parts are summed over ranks.
         """
         names = sorted({group_of(n) for n, _ in model.named_parameters()})
-        sums = torch.zeros(len(names), 2, dtype=torch.float64)  # column 0: replicated, column 1: sharded
+        # column 0: replicated, column 1: sharded
+        sums = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for n, p in model.named_parameters():
             if p.grad is not None:
                 sums[names.index(group_of(n)), int(self.sharded(n))] += float(
@@ -150,7 +152,7 @@ class World:
         return {g: float(sums[i, 0] + sharded[i]) for i, g in enumerate(names) if sums[i].any() or sharded[i]}
 
     def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return (t / self.size).tolist()
 
@@ -184,14 +186,13 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], worl
     return out
 
 
-def init(expert_parallel: bool = True) -> World | None:
-    """The world torchrun started this process in (None when run as one process)."""
+def init(expert_parallel: bool, device: torch.device) -> World | None:
+    """The world torchrun started this process in (None when run as one process): NCCL when ranks
+    compute on GPUs (each on its `LOCAL_RANK`'s, chosen by `device.resolve`), gloo on CPUs."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
     group = dist.new_group(list(range(size)))
@@ -201,4 +202,5 @@ def init(expert_parallel: bool = True) -> World | None:
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
         expert_parallel=expert_parallel,
         group=group,
+        device=device,
     )

@@ -5,7 +5,7 @@ Checkpoints (every `checkpoint_every` steps, atomic) go to `work/checkpoints`; a
 there resumes from it and reproduces the uninterrupted loss curve exactly on CPU. Per step,
 `metrics.jsonl` (and TensorBoard event files under `tensorboard/`) record: loss, cross-entropy,
 load-balancing, router z and logit z losses, grad norm (total and per parameter group), learning
-rate, tokens/s, achieved TFLOP/s and MFU (when the device's peak is configured), tokens per expert
+rate, tokens/s, achieved TFLOP/s and MFU (when the device's peak is configured or known), tokens per expert
 per MoE layer, load imbalance (max/mean) and token drop rate. Loss spikes and grad-norm jumps out of
 their recent band raise alarms (logged; optionally stopping the run).
 """
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
-from moeflow.moe import checkpoint, ladder, parallel
+from moeflow.moe import checkpoint, device, ladder, parallel
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
@@ -189,9 +189,9 @@ class Monitor:
         return alarms
 
 
-def _autocast(precision: str):
+def _autocast(precision: str, device_type: str):
     if precision == "bf16":
-        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return nullcontext()
 
 
@@ -227,7 +227,9 @@ def run(
     writes the metrics, checkpoints and artifact and returns the summary, the others return None."""
     from torch.utils.tensorboard import SummaryWriter
 
-    world = parallel.init(cfg.distributed.expert_parallel)
+    dev = device.resolve(cfg.device)
+    peak = cfg.peak_tflops or device.peak_tflops(dev, cfg.precision)
+    world = parallel.init(cfg.distributed.expert_parallel, dev)
     main = world is None or world.main
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world.local_size if world else 1)))
     work = Path(work or out)
@@ -243,6 +245,7 @@ def run(
     model = build_model(model_cfg, vocab, max_len, seed)
     if world is not None:
         world.shard(model)
+    model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -302,8 +305,9 @@ def run(
             for m in range(cfg.grad_accum):
                 a = first + m * micro + offset
                 rows = data.rows(a, a + local)
-                with _autocast(cfg.precision):
-                    ce, auxes, logit_z = lm_loss(model, torch.from_numpy(rows), logit_z=cfg.logit_z_coef > 0)
+                with _autocast(cfg.precision, dev.type):
+                    batch = device.batch(rows, dev)
+                    ce, auxes, logit_z = lm_loss(model, batch, logit_z=cfg.logit_z_coef > 0)
                 lb = (
                     torch.stack([a["load_balancing_loss"] for a in auxes]).mean()
                     if auxes
@@ -358,7 +362,7 @@ def run(
                 "lr": lr,
                 "tokens_per_s": round(tokens_per_step / dt, 1),
                 "tflops": round(tflops, 5),
-                "mfu": round(tflops / cfg.peak_tflops, 5) if cfg.peak_tflops else None,
+                "mfu": round(tflops / peak, 5) if peak else None,
                 "tokens_per_expert": per_expert_l,
                 "load_imbalance": [round(x, 4) for x in imbalance],
                 "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0,
@@ -418,9 +422,9 @@ def run(
     if not main:
         return None
     tb.close()
-    return _finish(
-        model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from, max_len
-    )
+    summary = _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from,
+                      max_len)
+    return {**summary, "device": device.describe(dev), "peak_tflops": peak}
 
 
 def _rank_metrics(world: parallel.World, step_s: float, moe_layers: int) -> list[dict]:

@@ -201,6 +201,7 @@ OPERATIONAL = {
     "checkpoint_every": 7,
     "alarms": {"loss_spike": 0.9, "stop": True},
     "distributed": {"nproc_per_node": 2},
+    "device": "cpu",
 }
 
 

@@ -1,0 +1,37 @@
+"""The training device: resolved from `train.device`, stated in the card, and nothing pinned to the CPU."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.moe import device
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_auto_is_cuda_when_present_else_cpu():
+    assert device.resolve("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert device.resolve("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_it_names_the_setting_and_the_fix():
+    with pytest.raises(device.DeviceError, match=r"train.device is 'cuda' .* set train.device: auto or cpu"):
+        device.resolve("cuda")
+
+
+def test_the_cpu_is_described_and_has_no_known_peak():
+    cpu = device.describe(torch.device("cpu"))
+    assert cpu["type"] == "cpu" and cpu["count"] >= 1
+    assert device.peak_tflops(torch.device("cpu"), "bf16") is None
+    rows = torch.arange(6).reshape(2, 3).numpy()
+    assert device.batch(rows, torch.device("cpu")).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_no_training_evaluation_or_ladder_code_pins_the_cpu():
+    pinned = re.compile(r"""["']cpu["']|\.cpu\(\)|device=None""")
+    for name in ("train.py", "evaluate.py", "ladder.py", "parallel.py", "layer.py", "experts.py", "model.py"):
+        lines = (ROOT / "moe" / name).read_text().splitlines()
+        assert [f"{name}:{i}: {x}" for i, x in enumerate(lines, 1) if pinned.search(x)] == []
