@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test chaos bench
+.PHONY: setup run test chaos bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,7 @@ chaos: setup
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# the prepared GPU verification (ops/gpu_check.py): one JSON line last; without CUDA it says so and exits 0
+gpu-check: setup
+	$(BIN)/python -m moeflow.ops.gpu_check

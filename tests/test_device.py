@@ -35,3 +35,27 @@ def test_no_training_evaluation_or_ladder_code_pins_the_cpu():
     for name in ("train.py", "evaluate.py", "ladder.py", "parallel.py", "layer.py", "experts.py", "model.py"):
         lines = (ROOT / "moe" / name).read_text().splitlines()
         assert [f"{name}:{i}: {x}" for i, x in enumerate(lines, 1) if pinned.search(x)] == []
+
+
+def _gpu_check(*args: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "moeflow.ops.gpu_check", *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_gpu_check_says_plainly_that_there_is_no_gpu():
+    out = _gpu_check()
+    assert out["ran"] is False and out["cuda"] is False and "no CUDA device" in out["reason"]
+
+
+def test_gpu_check_runs_its_own_code_on_the_cpu_at_toy_sizes():
+    out = _gpu_check("--device", "cpu", "--small")
+    assert out["ran"] and out["device"]["type"] == "cpu"
+    assert out["bf16_vs_cpu_fp32"]["ok"], out["bf16_vs_cpu_fp32"]
+    assert out["throughput"]["tokens_per_s"] > 0 and out["throughput"]["mfu"] is None

@@ -1,0 +1,139 @@
+"""`make gpu-check`: the prepared GPU verification; one JSON line last, and a plain no-op without CUDA.
+
+On a CUDA machine it (1) installs MegaBlocks and grouped_gemm against the torch already there, (2) trains
+the torch backend on the GPU in bf16 for 20 steps and compares the loss curve with the CPU's float32
+curve, (3) compares MegaBlocks' real kernels with the torch backend on the GPU, and (4) trains a model
+that fills the GPU for 200 steps and reports tokens/s and MFU. Each part records its own error in the
+JSON and the others still run. `--device cpu --small` runs the same code on the CPU, at toy sizes, to
+check the script itself where no GPU is lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.moe import device as devices
+from moeflow.moe import train
+
+ROOT = Path(__file__).resolve().parent.parent
+MEGABLOCKS = ["megablocks==0.10.0", "stanford-stk==0.7.1", "grouped_gemm==0.3.0"]
+
+
+def _data(folder: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import write_training_mix  # a small learnable mix and its tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_training_mix(folder)
+
+
+def _curve(model: ModelConfig, data: Path, out: Path, dev: str, precision: str, steps: int) -> list[float]:
+    cfg = TrainConfig(steps=steps, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, device=dev,
+                      precision=precision, checkpoint_every=steps)
+    train.run(model, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out)
+    return [json.loads(line)["ce"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def install() -> dict:
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", *MEGABLOCKS]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return {"ok": proc.returncode == 0, "seconds": round(time.perf_counter() - t0, 1),
+            "error": proc.stderr[-1500:] if proc.returncode else None}
+
+
+def bf16_against_cpu(data: Path, tmp: Path, dev: str) -> dict:
+    model = ModelConfig(d_model=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, expert_hidden=32)
+    cpu = _curve(model, data, tmp / "cpu", "cpu", "fp32", 20)
+    gpu = _curve(model, data, tmp / "gpu", dev, "bf16", 20)
+    diff = float(np.max(np.abs(np.array(cpu) - np.array(gpu))))
+    return {"max_abs_loss_diff": round(diff, 5), "tolerance": 0.05, "ok": diff <= 0.05,
+            "final": [round(cpu[-1], 4), round(gpu[-1], 4)]}
+
+
+def megablocks_against_torch(dev: torch.device) -> dict:
+    from moeflow.moe.layer import build_moe
+
+    cfg = ModelConfig(d_model=256, num_experts=8, top_k=2, expert_hidden=512)
+    ref = build_moe(cfg).to(dev)
+    mb = build_moe(cfg.model_copy(update={"backend": "megablocks"})).to(dev)
+    mb.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(4096, cfg.d_model, device=dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        a, b = ref(x)[0].float(), mb(x)[0].float()
+    diff = float((a - b).abs().max())
+    return {"max_abs_output_diff": round(diff, 5), "tolerance": 0.05, "ok": diff <= 0.05}
+
+
+def throughput(data_dir: Path, dev: str, small: bool) -> dict:
+    """A model that fills the GPU (at --small, a toy), 200 steps of bf16: tokens/s and MFU."""
+    from tokenizers.implementations import ByteLevelBPETokenizer
+
+    from moeflow.tokenize import mix
+
+    sizes = (64, 2, 8, 64, 8, 10) if small else (2048, 12, 32, 2048, 16, 200)
+    width, layers, experts, seq, batch, steps = sizes
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["abc def ghi " * 50], vocab_size=300, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok.save(str(data_dir / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, tok.get_vocab_size(), seq + 1) for _ in range(batch * steps)]
+    mix._write(data_dir / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
+    model = ModelConfig(d_model=width, n_layers=layers, n_heads=max(2, width // 128), num_experts=experts,
+                        top_k=2, expert_hidden=width // 2)
+    cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq, lr=1e-4, warmup_steps=2, device=dev,
+                      precision="bf16", checkpoint_every=steps, log_every=10)
+    summary = train.run(model, cfg, seed=0, mix_dir=data_dir, tokenizer_dir=data_dir, out=data_dir / "out")
+    return {"params_active": summary["params_active"], "tokens_per_s": summary["tokens_per_s"],
+            "mfu": summary.get("mfu"), "device": summary["device"]}
+
+
+def _part(name: str, fn, results: dict) -> None:
+    try:
+        results[name] = fn()
+    except Exception as e:  # one part failing must not hide the others' figures
+        results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                         "trace": traceback.format_exc()[-1500:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check this script itself")
+    p.add_argument("--small", action="store_true", help="toy sizes (with --device cpu)")
+    args = p.parse_args(argv)
+    results: dict = {"cuda": torch.cuda.is_available(), "torch": torch.__version__}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        results["ran"] = False
+        results["reason"] = "torch sees no CUDA device on this machine: nothing to check"
+        print(json.dumps(results))
+        return 0
+    dev = devices.resolve(args.device)
+    results["device"] = devices.describe(dev)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = _data(root / "data")
+        if dev.type == "cuda":
+            _part("install_megablocks", install, results)
+            _part("megablocks_vs_torch", lambda: megablocks_against_torch(dev), results)
+        _part("bf16_vs_cpu_fp32", lambda: bf16_against_cpu(data, root, args.device), results)
+        (root / "big").mkdir()
+        _part("throughput", lambda: throughput(root / "big", args.device, args.small), results)
+    results["ran"] = True
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
