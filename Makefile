@@ -13,6 +13,7 @@ $(BIN)/moeflow: pyproject.toml
 	# torch first, pinned: the CPU build is on local disk; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-build-isolation --no-deps megablocks==0.10.0 stanford-stk==0.7.1
 	touch $@
 
 setup: $(BIN)/moeflow

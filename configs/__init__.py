@@ -269,6 +269,12 @@ class ModelConfig(Frozen):
             raise ValueError(
                 "capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless"
             )
+        if self.backend == "megablocks" and self.expert_hidden * self.num_experts < 128:
+            raise ValueError(
+                "backend megablocks needs expert_hidden * num_experts >= 128 (dMoE's constructor takes "
+                f"log2 of it / 128); expert_hidden={self.expert_hidden} * num_experts={self.num_experts} = "
+                f"{self.expert_hidden * self.num_experts}"
+            )
         return self
 
     def is_moe(self, layer: int) -> bool:

@@ -19,5 +19,8 @@ def load_balancing_loss(*, probs_TE: torch.Tensor, tokens_per_expert_E: torch.Te
 
 
 def router_z_loss(*, logits_TE: torch.Tensor) -> torch.Tensor:
-    """mean_t logsumexp(logits_t)^2: keeps router logits small (ST-MoE)."""
-    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+    """mean_t logsumexp(logits_t)^2: keeps router logits small (ST-MoE).
+
+    Computed in the logits' dtype, as MegaBlocks does by default (`moe_zloss_in_fp32=False`); under
+    CUDA autocast logsumexp runs in float32 anyway."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()

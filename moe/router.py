@@ -33,6 +33,8 @@ class TopKRouter(nn.Module):
         logits_TE = self.layer(x_TD)
         probs_TE = logits_TE.softmax(dim=-1, dtype=torch.promote_types(logits_TE.dtype, torch.float32))
         weights_TK, experts_TK = probs_TE.topk(self.top_k, dim=-1)
-        if self.normalize and self.top_k > 1:
+        # MegaBlocks' convention, top-1 included: a single weight becomes 1.0, and the router then learns
+        # from the auxiliary losses only (normalize_expert_weights: false keeps p_max as the weight)
+        if self.normalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return Routing(logits_TE, probs_TE, weights_TK.to(x_TD.dtype), experts_TK)
