@@ -1,6 +1,7 @@
 """MoE layer throughput: expert-count scaling at fixed active parameters; dense MLP and per-token baselines.
 
-Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R]` (default 4096 and 16384 tokens).
+Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R] [--device cpu|cuda]` (default 4096
+and 16384 tokens, on the CPU; `make gpu-check` runs it with `--device cuda`).
 Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2, SwiGLU, fp32, all
 cores) for 8, 16, 32 and 64 experts; the same layer against a dense SwiGLU MLP of equal active width
 (2 x 512) done in bare PyTorch; and against a per-token Python loop over the same weights (a sanity
@@ -25,11 +26,17 @@ from moeflow.moe.layer import MoE
 H, F, K = 256, 512, 2
 
 
+def _sync(x: torch.Tensor) -> None:
+    if x.is_cuda:  # GPU work is asynchronous: time it to its end
+        torch.cuda.synchronize(x.device)
+
+
 def tokens_per_s(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
     def step():
         out = module(x)
         y = out[0] if isinstance(out, tuple) else out
         y.float().square().mean().backward()
+        _sync(x)
 
     for _ in range(2):
         step()
@@ -56,14 +63,14 @@ def per_token_loop(layer: MoE, x: torch.Tensor) -> float:
     return x.shape[0] / (time.perf_counter() - t0)
 
 
-def scaling(tokens: int, repeats: int) -> dict[str, float]:
+def scaling(tokens: int, repeats: int, dev: torch.device) -> dict[str, float]:
     torch.manual_seed(0)
-    x = torch.randn(tokens, H)
+    x = torch.randn(tokens, H, device=dev)
     out: dict[str, float] = {}
-    dense = SharedExpert(H, K * F, glu=True)
+    dense = SharedExpert(H, K * F, glu=True).to(dev)
     out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats), 1)
     for e in (8, 16, 32, 64):
-        layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=e, top_k=K, expert_hidden=F))
+        layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=e, top_k=K, expert_hidden=F)).to(dev)
         out[f"e{e}_tokens_per_s"] = round(tokens_per_s(layer, x.clone().requires_grad_(), repeats), 1)
     for e in (16, 32, 64):
         out[f"e{e}_vs_e8"] = round(out[f"e{e}_tokens_per_s"] / out["e8_tokens_per_s"], 3)
@@ -81,16 +88,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    dev = torch.device(args.device)
     torch.set_num_threads(os.cpu_count() or 1)
     figures: dict[str, float] = {
         "threads": torch.get_num_threads(),
         "hidden": H,
         "expert_hidden": F,
         "top_k": K,
+        "device": args.device,
     }
     for tokens in args.tokens:
-        figures.update({f"t{tokens}_{k}": v for k, v in scaling(tokens, args.repeats).items()})
+        figures.update({f"t{tokens}_{k}": v for k, v in scaling(tokens, args.repeats, dev).items()})
     layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=8, top_k=K, expert_hidden=F))
     small = torch.randn(256, H)
     with torch.no_grad():

@@ -2,10 +2,11 @@
 
 On a CUDA machine it (1) installs MegaBlocks and grouped_gemm against the torch already there, (2) trains
 the torch backend on the GPU in bf16 for 20 steps and compares the loss curve with the CPU's float32
-curve, (3) compares MegaBlocks' real kernels with the torch backend on the GPU, and (4) trains a model
-that fills the GPU for 200 steps and reports tokens/s and MFU. Each part records its own error in the
-JSON and the others still run. `--device cpu --small` runs the same code on the CPU, at toy sizes, to
-check the script itself where no GPU is lent.
+curve, (3) compares MegaBlocks' real kernels with the torch backend on the GPU, (4) trains a model that
+fills the GPU for 200 steps and reports tokens/s and MFU, and (5) runs the expert-count scaling
+benchmark (`benchmarks/moe_scaling.py --device cuda`: 8 to 64 experts at fixed active parameters).
+Each part records its own error in the JSON and the others still run. `--device cpu --small` runs the
+same code on the CPU, at toy sizes, to check the script itself where no GPU is lent.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def throughput(data_dir: Path, dev: str, small: bool) -> dict:
             "mfu": summary.get("mfu"), "device": summary["device"]}
 
 
+def scaling_benchmark(dev: str, small: bool) -> dict:
+    sizes = ["1024", "--repeats", "1"] if small else ["16384", "65536", "--repeats", "3"]
+    bench = ROOT / "benchmarks" / "moe_scaling.py"
+    proc = subprocess.run([sys.executable, str(bench), "--device", dev, "--tokens", *sizes],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-1500:])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def _part(name: str, fn, results: dict) -> None:
     try:
         results[name] = fn()
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         _part("bf16_vs_cpu_fp32", lambda: bf16_against_cpu(data, root, args.device), results)
         (root / "big").mkdir()
         _part("throughput", lambda: throughput(root / "big", args.device, args.small), results)
+        _part("moe_scaling", lambda: scaling_benchmark(args.device, args.small), results)
     results["ran"] = True
     print(json.dumps(results))
     return 0

@@ -54,7 +54,8 @@ class Stage:
     name: str
     config: Callable[[RunConfig], Any]  # the slice the body receives: its non-operational part is the key
     body: Callable[..., dict]  # (slice, inputs, out[, work][, shard=]): writes the artifact, returns stats
-    libraries: tuple[str, ...] = ()  # distributions whose versions shape the output
+    # distributions whose versions shape the output (or a function of the slice naming them)
+    libraries: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
     fetched: Callable[[Any], dict] | None = None  # (slice) -> identities of the files read outside the store
     resumable: bool = False
     # a record stage: `body(..., shard=(rank, world_size))` makes one shard's artifact (`<stage>.shard`),
@@ -84,6 +85,12 @@ def _index_config(c: RunConfig) -> dict:
 
 
 TRAIN_LIBS = ("torch", "numpy", "safetensors")
+
+
+def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
+    """The MegaBlocks backend's own distributions count only when it is the backend that trains."""
+    megablocks = ("megablocks", "stanford-stk", "grouped_gemm") if s.model.backend == "megablocks" else ()
+    return TRAIN_LIBS + megablocks
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
@@ -131,7 +138,7 @@ STAGES: dict[str, Stage] = {
         # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
         # never takes a rung's mix for the target's)
         Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
-        Stage("rung", _train_config, launch.stage, TRAIN_LIBS, resumable=True),
+        Stage("rung", _train_config, launch.stage, _train_libs, resumable=True),
         Stage(
             "ladder",
             lambda c: {
@@ -144,7 +151,7 @@ STAGES: dict[str, Stage] = {
             ladder.stage,
             ("scipy", *TRAIN_LIBS),
         ),
-        Stage("train", _train_config, launch.stage, TRAIN_LIBS, resumable=True),
+        Stage("train", _train_config, launch.stage, _train_libs, resumable=True),
         Stage("evaluate", lambda c: c.evaluate, evaluate.stage, TRAIN_LIBS),
         Stage("card", lambda c: {}, publish.stage, ("huggingface_hub", "matplotlib", "markdown")),
     )
@@ -156,10 +163,11 @@ def key_parts(
 ) -> dict:
     """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes."""
     slice_ = stage.config(cfg)
+    libraries = stage.libraries(slice_) if callable(stage.libraries) else stage.libraries
     parts = {
         "config": keys.keyed(slice_),
         "code": code.closure(stage.body.__module__),
-        "libraries": code.libraries(stage.libraries),
+        "libraries": code.libraries(libraries),
         "fetched": stage.fetched(slice_) if stage.fetched else {},
         "inputs": dict(sorted(inputs.items())),
     }

@@ -328,3 +328,26 @@ def test_training_killed_resumed_and_evaluated_tracks_the_torch_backend(cpu_mega
         _train(data, tmp_path / "torch1", MODEL, work=tmp_path / "work2", stop_after=10)
     _train(data, tmp_path / "torch2-mb", mb_model, work=tmp_path / "work2")
     np.testing.assert_allclose(_curve(tmp_path / "torch2-mb"), _curve(tmp_path / "torch"), rtol=CURVE_RTOL)
+
+
+def test_the_prefect_train_stage_trains_and_evaluates_with_megablocks(cpu_megablocks, smoke_run, tmp_path):
+    """The smoke preset's train and evaluate stages with `backend: megablocks`, on the cold run's data:
+    the same curve as its torch-backend training, and the backend's versions in the key."""
+    from moeflow.flows.pretrain import pretrain
+
+    path, first = smoke_run
+    base = configs.load(path)
+    mb = write_config(tmp_path / "mb.yaml", base=str(path),
+                      model={**base.model.model_dump(mode="json"), "backend": "megablocks"})
+    out = pretrain(config=str(mb), until="evaluate")
+    assert out["stages"]["mix"]["hash"] == first["stages"]["mix"]["hash"]
+    assert not out["stages"]["train"]["reused"]
+    runs = [Path(s["stages"]["train"]["artifact"]) for s in (first, out)]
+    np.testing.assert_allclose(_curve(runs[1]), _curve(runs[0]), rtol=CURVE_RTOL)
+    lineage = json.loads((runs[1] / "lineage.json").read_text())
+    assert lineage["config"]["model"]["backend"] == "megablocks"
+    assert lineage["key"]["libraries"]["megablocks"] == "0.10.0"
+    evals = [json.loads((Path(s["stages"]["evaluate"]["artifact"]) / "eval.json").read_text())
+             for s in (first, out)]
+    for domain, r in evals[0].items():
+        assert evals[1][domain]["loss"] == pytest.approx(r["loss"], rel=CURVE_RTOL, abs=1e-4)
