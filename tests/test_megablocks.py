@@ -330,21 +330,30 @@ def test_training_killed_resumed_and_evaluated_tracks_the_torch_backend(cpu_mega
     np.testing.assert_allclose(_curve(tmp_path / "torch2-mb"), _curve(tmp_path / "torch"), rtol=CURVE_RTOL)
 
 
-def test_the_prefect_train_stage_trains_and_evaluates_with_megablocks(cpu_megablocks, smoke_run, tmp_path):
+def test_the_prefect_train_stage_trains_and_evaluates_with_megablocks(cpu_megablocks, smoke_run, tmp_path,
+                                                                      monkeypatch):
     """The smoke preset's train and evaluate stages with `backend: megablocks`, on the cold run's data:
-    the same curve as its torch-backend training, and the backend's versions in the key."""
+    killed after its step-20 checkpoint, rerun (resuming there), evaluated; the same curve as its
+    torch-backend training, and the backend's versions in the key."""
     from moeflow.flows.pretrain import pretrain
 
     path, first = smoke_run
     base = configs.load(path)
     mb = write_config(tmp_path / "mb.yaml", base=str(path),
-                      model={**base.model.model_dump(mode="json"), "backend": "megablocks"})
+                      model={**base.model.model_dump(mode="json"), "backend": "megablocks"},
+                      train={**base.train.model_dump(mode="json"), "checkpoint_every": 10})
+    real = train.run
+    monkeypatch.setattr(train, "run", lambda *a, **kw: real(*a, stop_after=25, **kw))
+    with pytest.raises(train.StopTraining, match="stopped before step 26"):
+        pretrain(config=str(mb), until="evaluate")
+    monkeypatch.setattr(train, "run", real)
     out = pretrain(config=str(mb), until="evaluate")
     assert out["stages"]["mix"]["hash"] == first["stages"]["mix"]["hash"]
     assert not out["stages"]["train"]["reused"]
     runs = [Path(s["stages"]["train"]["artifact"]) for s in (first, out)]
     np.testing.assert_allclose(_curve(runs[1]), _curve(runs[0]), rtol=CURVE_RTOL)
     lineage = json.loads((runs[1] / "lineage.json").read_text())
+    assert lineage["stats"]["resumed_from_step"] == 20
     assert lineage["config"]["model"]["backend"] == "megablocks"
     assert lineage["key"]["libraries"]["megablocks"] == "0.10.0"
     evals = [json.loads((Path(s["stages"]["evaluate"]["artifact"]) / "eval.json").read_text())
