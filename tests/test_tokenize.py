@@ -1,5 +1,7 @@
 """Tokenizer, Arrow token store and mix: exact round trips, and every packed token traces to its document."""
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -168,3 +170,41 @@ def test_gpt2_tokenizer_from_the_fetched_package(tmp_path, docs):
     tok = tokenizer.load(tmp_path)
     assert stats["vocab_size"] == 50257 and stats["eos_id"] == 50256
     assert tok.encode("Hello world").ids == [15496, 995]
+
+
+def _own_tokenizer(path: Path, text: str = "abc def ghi ") -> Path:
+    from tokenizers.implementations import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([text * 50], vocab_size=280, show_progress=False)  # no separator token
+    tok.save(str(path))
+    return path
+
+
+def test_your_own_tokenizer_file_gets_the_separator_and_its_bytes_key_the_stage(tmp_path):
+    from moeflow import configs
+    from moeflow.lineage import keys
+    from moeflow.tasks.stages import STAGES, key_parts
+
+    own = _own_tokenizer(tmp_path / "mine.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = tokenizer.build(TokenizerConfig(kind="file", path=str(own)), tmp_path, out)
+    vocab = tokenizer.Tokenizer.from_file(str(own)).get_vocab_size()
+    assert stats["eos_added"] and stats["vocab_size"] == vocab + 1 and stats["eos_id"] == vocab
+    assert tokenizer.load(out).token_to_id(tokenizer.EOS) == vocab
+    cfg = configs.load("smoke", tokenizer={"kind": "file", "path": str(own)})
+    before = key_parts(STAGES["tokenizer"], cfg, {"docs": "d"})
+    _own_tokenizer(own, "xyz uvw ")  # same path, other bytes
+    after = key_parts(STAGES["tokenizer"], cfg, {"docs": "d"})
+    assert keys.digest("tokenizer", before) != keys.digest("tokenizer", after)
+    assert any(r.startswith("fetched file:tokenizer.xxh3:") for r in keys.explain(before, after))
+
+
+def test_a_tokenizer_file_config_names_the_field(tmp_path):
+    from moeflow import configs
+
+    with pytest.raises(configs.ConfigError, match="tokenizer.path goes with tokenizer.kind: file"):
+        configs.load("smoke", tokenizer={"kind": "file"})
+    with pytest.raises(configs.ConfigError, match="is not a file; point it at a tokenizer.json"):
+        configs.load("smoke", tokenizer={"kind": "file", "path": str(tmp_path / "missing.json")})

