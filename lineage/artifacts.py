@@ -99,6 +99,11 @@ class Store:
             return None
         return Manifest.read(folder)
 
+    def newest(self, stage: str) -> dict | None:
+        """The lineage record of the newest finished artifact of `stage` in the store, if any."""
+        recs = [json.loads(p.read_text()) for p in (self.root / stage).glob(f"{stage}-*/{LINEAGE}")]
+        return max(recs, key=lambda r: (r["finished_at"], r["artifact"]["hash"])) if recs else None
+
     @contextlib.contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
         """Hold the artifact's build lock (an advisory `flock`, released when the holder dies): two runs

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import xxhash
-
 from moeflow import __version__
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -18,14 +16,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict:
-    """Git commit (and whether the tree had uncommitted changes) plus a hash of the package's sources."""
-    h = xxhash.xxh3_64()
-    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
-        rel = path.relative_to(PACKAGE_ROOT)
-        if rel.parts[0] in ("tests", "benchmarks", ".venv") or "site-packages" in rel.parts:
-            continue
-        h.update(rel.as_posix().encode())
-        h.update(path.read_bytes())
+    """Git commit and whether the tree had uncommitted changes (a stage's own code hash is in its key)."""
     commit, dirty = "unknown", None
     try:
         commit = subprocess.run(
@@ -41,7 +32,7 @@ def code_version() -> dict:
         dirty = bool(status.strip())
     except (OSError, subprocess.CalledProcessError):
         pass
-    return {"commit": commit, "dirty": dirty, "source_hash": h.hexdigest(), "moeflow_version": __version__}
+    return {"commit": commit, "dirty": dirty, "moeflow_version": __version__}
 
 
 @functools.lru_cache(maxsize=1)

@@ -206,8 +206,9 @@ def materialize(
     `shard`: build one record shard of a sharded stage; `parts`: build the stage by merging its shards."""
     stage = STAGES[stage_name]
     store = Store(cfg.store_path())
-    key = artifact_key(stage, cfg, inputs, shard)
     name = artifact_name(stage, shard)
+    key_record = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, shard)
+    key = keys.digest(name, key_record)
     existing = store.get(name, key)
     if existing is not None and not force:
         log.info("%s: reusing %s", name, existing.path)
@@ -217,7 +218,7 @@ def materialize(
         if existing is not None and not force:
             log.info("%s: reusing %s (built by a concurrent run)", name, existing.path)
             return existing
-        manifest = _build(stage, name, key, store, cfg, inputs, shard, parts)
+        manifest = _build(stage, name, key, key_record, store, cfg, inputs, shard, parts)
     openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
     log.info("%s: wrote %s", name, manifest.path)
     return manifest
@@ -286,17 +287,15 @@ def _lineage(stage: Stage, name: str, cfg: RunConfig, inputs: Inputs, store: Sto
 
 def _previous(store: Store, name: str) -> dict | None:
     """The newest earlier artifact of this stage in the store: the lineage report diffs configs against it."""
-    recs = [json.loads(p.read_text()) for p in (store.root / name).glob(f"{name}-*/lineage.json")]
-    if not recs:
-        return None
-    prev = max(recs, key=lambda r: (r["finished_at"], r["artifact"]["hash"]))
-    return {"artifact": f"{name}-{prev['artifact']['hash']}", "config": prev["config"]}
+    prev = store.newest(name)
+    return {"artifact": f"{name}-{prev['artifact']['hash']}", "config": prev["config"]} if prev else None
 
 
 def _build(
     stage: Stage,
     name: str,
     key: str,
+    key_record: dict,
     store: Store,
     cfg: RunConfig,
     inputs: Inputs,
@@ -306,7 +305,6 @@ def _build(
     """Verify the inputs, run the stage body in a staging folder, and commit the artifact atomically."""
     for manifest in [m for _, m in sorted(inputs.items())] + list(parts or []):  # a flipped byte or a cut
         manifest.verify()  # file upstream fails here, named
-    key_record = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, shard)
     lineage = _lineage(stage, name, cfg, inputs, store, key_record)
     tmp = store.staging(name)
     work = store.folder(name, key).with_name(f".{name}-{key}.work") if stage.resumable else None

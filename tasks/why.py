@@ -113,11 +113,7 @@ class DryRun:
         used = self.last_run.get(plan.label)
         if used and (Path(used) / "lineage.json").exists():
             return json.loads((Path(used) / "lineage.json").read_text())
-        recs = [
-            json.loads(p.read_text())
-            for p in (self.store.root / plan.stage).glob(f"{plan.stage}-*/lineage.json")
-        ]
-        return max(recs, key=lambda r: (r["finished_at"], r["artifact"]["hash"])) if recs else None
+        return self.store.newest(plan.stage)
 
 
 def _last_run(store: Path, config: str) -> dict[str, str]:
