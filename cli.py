@@ -40,10 +40,22 @@ def _run(args) -> int:
     finally:
         if server:
             server.stop()
-    for stage, info in summary["stages"].items():
-        print(f"{stage:14s} {'reused' if info['reused'] else 'built '}  {info['artifact']}")
+    _print_summary(summary["stages"])
     print(summary["card"] or f"stopped after {args.until}")
     return 0
+
+
+def _print_summary(stages: dict[str, dict]) -> None:
+    """One line per stage; a sharded stage's parts (`dedup.sign[0/4]`) are tallied on their stage's line."""
+    parts: dict[str, list[bool]] = {}
+    for label, info in stages.items():
+        if "[" in label:
+            parts.setdefault(label.split("[")[0].split(".")[0], []).append(info["reused"])
+    for stage, info in stages.items():
+        if "[" not in stage:
+            made = parts.get(stage, [])
+            tally = f"  ({len(made)} parts, {made.count(False)} built)" if made else ""
+            print(f"{stage:14s} {'reused' if info['reused'] else 'built '}  {info['artifact']}{tally}")
 
 
 def _why(args) -> int:

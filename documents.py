@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from moeflow.lineage import ledger as ledgers
 
 DOCS = "docs.parquet"
 SCHEMA = pa.schema(
@@ -82,3 +87,30 @@ def iter_docs(
 
 def count_docs(folder: Path, shard: tuple[int, int] = (0, 1)) -> int:
     return len(shard_rows(pq.ParquetFile(Path(folder) / DOCS).metadata.num_rows, shard))
+
+
+def join(parts: list[Path], out: Path, stage: str) -> dict:
+    """Join record shards' documents and ledgers in rank order into `out`, a row group at a time (one
+    shard's files are copied: the same bytes), and check that they account for every document."""
+    stats = {"documents_in": 0, "documents_out": 0, "fates": Counter()}
+    for part in parts:
+        s = json.loads((Path(part) / "manifest.json").read_text())["stats"]
+        stats["documents_in"] += s["documents_in"]
+        stats["documents_out"] += s["documents_out"]
+        stats["fates"].update(s["fates"])
+    if len(parts) == 1:
+        for name in (DOCS, ledgers.LEDGER):
+            shutil.copyfile(Path(parts[0]) / name, Path(out) / name)
+        n_out, n_ledger = count_docs(out), pq.ParquetFile(Path(out) / ledgers.LEDGER).metadata.num_rows
+    else:
+        with DocWriter(out) as writer:
+            for part in parts:
+                for row in iter_docs(part):
+                    writer.write(row)
+        n_out, n_ledger = writer.count, ledgers.concat(parts, out)
+    if n_ledger != stats["documents_in"] or n_out != stats["documents_out"]:
+        raise ledgers.ConservationError(
+            f"{stage} join: shards account for {stats['documents_in']} documents ({stats['documents_out']} "
+            f"kept) but hold {n_ledger} ledger rows and {n_out} documents"
+        )
+    return {**stats, "fates": dict(sorted(stats["fates"].items()))}

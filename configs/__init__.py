@@ -104,9 +104,8 @@ class FilterConfig(Frozen):
     fineweb: dict[str, float | int | bool | None] = {}
     # per domain or per source name (a source's entry wins over its domain's): any of the fields above
     overrides: dict[str, dict] = {}
-    # record shards the stage is split into: each a Prefect task, cached and resumable on its own;
-    # independent of the core count, and the merged output is the same whatever the count
-    shards: int = operational(1, ge=1)
+    # record shards the stage is split into (unset: `execution.shards`); the output is the same for any
+    shards: int | None = operational(None, ge=1)
 
     @field_validator("gopher_quality", "c4", "fineweb")
     @classmethod
@@ -153,6 +152,9 @@ class DedupConfig(Frozen):
     rows: int = Field(default=8, ge=1)  # 14 x 8: candidates from ~0.7 up; threshold checks the estimate
     threshold: float = Field(default=0.8, gt=0, le=1)  # estimated Jaccard similarity that joins two documents
     seed: int = 42
+    # hash-range partitions of the distributed reduce (exact groups, band buckets): each a task holding
+    # about 1/partitions of the corpus's hashes; the output is the same for any count
+    partitions: int = operational(4, ge=1)
 
 
 class DecontamConfig(Frozen):
@@ -412,6 +414,9 @@ class ExecutionConfig(Frozen):
     # sharing spaCy's tokenizer corrupt it); ray: a Ray cluster through prefect-ray's RayTaskRunner;
     # dask: a Dask cluster through prefect-dask's DaskTaskRunner (worker processes, one thread each)
     runner: Literal["processes", "ray", "dask"] = "processes"
+    # record shards of every sharded stage (contiguous row ranges, each a task and a cached artifact,
+    # joined in order): the output is the same for any count; more shards, less memory per task
+    shards: int = Field(default=1, ge=1)
     workers: int | None = Field(
         default=None, gt=0
     )  # processes, CPUs of a local Ray, local Dask workers; default: all cores

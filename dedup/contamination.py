@@ -28,7 +28,7 @@ import xxhash
 from tqdm import tqdm
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
-from moeflow.documents import DocWriter, count_docs, iter_docs
+from moeflow.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import fetch
 
@@ -265,14 +265,35 @@ def stage(cfg: DecontamConfig, inputs: dict, out: Path) -> dict:
     return run(cfg, inputs["docs"].dir, inputs["index"].dir, out)
 
 
-def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path) -> dict:
+def shard(cfg: DecontamConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
+    """One record shard of the `decontaminate` stage."""
+    return run(cfg, inputs["docs"].dir, inputs["index"].dir, out, part)
+
+
+def merge(prior: dict[str, list[Path]], out: Path) -> dict:
+    """Join the shards in order; the per-benchmark counts summed."""
+    stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["shard"]]
+    per_bench: dict[str, dict] = {}
+    for s in stats:
+        for bench, counts in s["per_benchmark"].items():
+            total = per_bench.setdefault(bench, dict.fromkeys(counts, 0))
+            for k, v in counts.items():
+                total[k] += v
+    return {**join(prior["shard"], out, "decontaminate"),
+            "ngram": stats[0]["ngram"], "action": stats[0]["action"],
+            "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
+            "per_benchmark": dict(sorted(per_bench.items())), "shards": len(stats)}
+
+
+def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
+        part: tuple[int, int] = (0, 1)) -> dict:
     index = Index(index_dir)
     ledger = Ledger("decontaminate")
     per_bench: dict[str, dict] = {}
     n_in = 0
     with DocWriter(out) as writer:
-        for row in tqdm(iter_docs(docs_dir), total=count_docs(docs_dir), desc="decontaminate", unit="doc",
-                        mininterval=5):
+        for row in tqdm(iter_docs(docs_dir, shard=part), total=count_docs(docs_dir, part),
+                        desc=f"decontaminate {part[0]}/{part[1]}", unit="doc", mininterval=5):
             n_in += 1
             matched, item, starts = index.matches(row["text"], cfg.ngram)
             if matched < cfg.min_matches:

@@ -1,24 +1,51 @@
-"""Corpus deduplication: exact (xxh3 of the normalised text), then MinHash LSH near-duplicates of the rest.
+"""Corpus deduplication as a distributed reduce: exact (xxh3 of the normalised text), then MinHash LSH.
 
 Each cluster keeps one deterministic representative, its smallest document id; the others are
 recorded in the ledger as duplicates of it (`exact`, or `minhash` with the estimated similarity).
+The stage runs as four phases of tasks, each part its own artifact, so no task holds the corpus:
+
+- `sign`, per record shard: every document's exact hash, and one MinHash signature per distinct
+  normalised text (copies share it), written as rows partitioned by hash (exact) and by band bucket.
+- `pairs`, per partition: exact groups (the smallest id of each hash), and for every band bucket with
+  two or more texts the pairs (the bucket's smallest id, each other one) whose estimated similarity
+  reaches the threshold, written to disk as edges.
+- `clusters`, one task: connected components of the edges (union-find); each component's smallest id
+  is its representative, and every other member's similarity to it is recorded.
+- `shard`, per record shard: the documents with their fates, joined in order by `merge`.
+
+What grows with the corpus: the `clusters` task holds the near-duplicate edges and their texts (not the
+corpus), and the `shard` tasks read the near-duplicate table whole. The output is the same for any
+number of shards and partitions.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import tempfile
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import xxhash
 from tqdm import tqdm
 
 from moeflow.configs import DedupConfig
 from moeflow.dedup import minhash
-from moeflow.documents import DocWriter, iter_docs
+from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.lineage.ledger import Ledger
 
 _SPACE = re.compile(r"\s+")
+EXACT = pa.schema([("hash", pa.uint64()), ("id", pa.string()), ("pos", pa.int64())])
+BANDS = pa.schema(
+    [("band", pa.uint16()), ("bucket", pa.uint64()), ("hash", pa.uint64()), ("id", pa.string())]
+)
+DUPS = pa.schema([("pos", pa.int64()), ("rep", pa.string())])
+EDGES = pa.schema([("a", pa.uint64()), ("a_id", pa.string()), ("b", pa.uint64()), ("b_id", pa.string())])
+NEAR = pa.schema([("hash", pa.uint64()), ("rep", pa.string()), ("similarity", pa.float64())])
+_ZSTD = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
 def normalise(text: str, lowercase: bool = True) -> str:
@@ -26,61 +53,246 @@ def normalise(text: str, lowercase: bool = True) -> str:
     return text.lower() if lowercase else text
 
 
-def stage(cfg: DedupConfig, inputs: dict, out: Path) -> dict:
-    """The `dedup` stage's body."""
-    return run(cfg, inputs["docs"].dir, out)
+def _write(path: Path, table: pa.Table, compress: bool = True) -> None:
+    with pa.ipc.new_file(path, table.schema, options=_ZSTD if compress else None) as w:
+        w.write_table(table, max_chunksize=65_536)
 
 
-def run(cfg: DedupConfig, docs_dir: Path, out: Path) -> dict:
-    # Pass 1: exact hashes (representative: the smallest id, whatever the arrival order), then
-    # MinHash signatures of the exact representatives only.
-    first: dict[int, str] = {}
-    hash_of: dict[str, int] = {}  # ingest guarantees unique ids
-    for row in iter_docs(docs_dir, columns=["id", "text"]):
-        h = hash_of[row["id"]] = xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode())
-        if h not in first or row["id"] < first[h]:
-            first[h] = row["id"]
-    near: dict[str, tuple[str, float]] = {}
-    if cfg.minhash:
-        reps = set(first.values())
-        perms = minhash.permutations(cfg.bands * cfg.rows, cfg.seed)
-        ids, sigs = [], []
-        for row in tqdm(
-            iter_docs(docs_dir, columns=["id", "text"]), desc="minhash", unit="doc", mininterval=5
-        ):
-            if row["id"] in reps:
-                ids.append(row["id"])
-                sigs.append(minhash.signature(row["text"], cfg.ngram, perms))
-        near = minhash.clusters(ids, sigs, cfg.bands, cfg.rows, cfg.threshold)
+def _read(path: Path) -> pa.Table:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _partition(table: pa.Table, column: str, n: int) -> list[pa.Table]:
+    which = pa.array(table.column(column).to_numpy() % np.uint64(n))
+    return [table.filter(pc.equal(which, p)) for p in range(n)]
+
+
+def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> dict:
+    """Phase `sign` for record shard `part`: exact rows and (MinHash on) signatures and band rows."""
+    start = shard_rows(count_docs(docs_dir), part).start
+    perms = minhash.permutations(cfg.bands * cfg.rows, cfg.seed) if cfg.minhash else None
+    hashes, ids = [], []
+    texts: dict[int, tuple[str, np.ndarray | None]] = {}  # hash -> (smallest id, signature)
+    rows = iter_docs(docs_dir, columns=["id", "text"], shard=part)
+    for row in tqdm(rows, total=count_docs(docs_dir, part), desc=f"dedup sign {part[0]}/{part[1]}",
+                    unit="doc", mininterval=5):
+        norm = normalise(row["text"], cfg.lowercase)
+        h = xxhash.xxh3_64_intdigest(norm.encode())
+        hashes.append(h)
+        ids.append(row["id"])
+        if h not in texts:
+            texts[h] = (row["id"], minhash.signature(norm, cfg.ngram, perms) if perms is not None else None)
+        elif row["id"] < texts[h][0]:
+            texts[h] = (row["id"], texts[h][1])
+    exact = pa.table({"hash": pa.array(hashes, pa.uint64()), "id": pa.array(ids, pa.string()),
+                      "pos": pa.array(np.arange(start, start + len(ids), dtype=np.int64))}, schema=EXACT)
+    for p, t in enumerate(_partition(exact, "hash", cfg.partitions)):
+        _write(out / f"exact-{p:04d}.arrow", t)
+    if perms is not None:
+        _write_signatures(cfg, texts, out)
+    return {"documents": len(ids), "texts": len(texts)}
+
+
+def _write_signatures(cfg: DedupConfig, texts: dict, out: Path) -> None:
+    """`sigs.arrow`: (hash, id, signature) sorted by hash; `bands-*.arrow`: one row per band of each text."""
+    order = sorted(texts)
+    sigs = np.stack([texts[h][1] for h in order]) if order else np.empty((0, cfg.bands * cfg.rows), np.uint64)
+    ids = pa.array([texts[h][0] for h in order], pa.string())
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), cfg.bands * cfg.rows)
+    _write(out / "sigs.arrow", pa.table({"hash": pa.array(order, pa.uint64()), "id": ids, "sig": flat}),
+           compress=False)
+    bands = np.empty((len(order), cfg.bands), np.uint64)
+    for b in range(cfg.bands):
+        block = np.ascontiguousarray(sigs[:, b * cfg.rows:(b + 1) * cfg.rows])
+        bands[:, b] = [xxhash.xxh3_64_intdigest(r.tobytes()) for r in block]
+    table = pa.table({
+        "band": pa.array(np.tile(np.arange(cfg.bands, dtype=np.uint16), len(order))),
+        "bucket": pa.array(bands.reshape(-1)),
+        "hash": pa.array(np.repeat(np.array(order, np.uint64), cfg.bands)),
+        "id": ids.take(pa.array(np.repeat(np.arange(len(order)), cfg.bands))),
+    }, schema=BANDS)
+    for p, t in enumerate(_partition(table, "bucket", cfg.partitions)):
+        _write(out / f"bands-{p:04d}.arrow", t)
+
+
+def signatures(sign_dirs: list[Path], wanted: np.ndarray) -> dict[int, np.ndarray]:
+    """The signatures of the texts `wanted` (by hash), read from the `sign` parts' sorted tables."""
+    wanted = np.unique(wanted.astype(np.uint64))
+    best: dict[int, tuple[str, np.ndarray]] = {}
+    for d in sign_dirs if wanted.size else []:
+        table = _read(d / "sigs.arrow")
+        hashes = table.column("hash").to_numpy()
+        at = np.minimum(np.searchsorted(hashes, wanted), max(len(hashes) - 1, 0))
+        found = at[hashes[at] == wanted] if len(hashes) else at[:0]
+        rows = table.take(pa.array(found))
+        width = table.schema.field("sig").type.list_size
+        sig = rows.column("sig").combine_chunks().flatten().to_numpy().reshape(-1, width)
+        for h, i, s in zip(rows.column("hash").to_pylist(), rows.column("id").to_pylist(), sig):
+            if h not in best or i < best[h][0]:
+                best[h] = (i, s)
+    return {h: s for h, (_, s) in best.items()}
+
+
+def pairs(cfg: DedupConfig, sign_dirs: list[Path], out: Path, part: tuple[int, int]) -> dict:
+    """Phase `pairs` for hash partition `part`: exact duplicates, and verified near-duplicate edges."""
+    p = part[0]
+    exact = pa.concat_tables([_read(d / f"exact-{p:04d}.arrow") for d in sign_dirs])
+    groups = exact.group_by("hash").aggregate([("id", "min"), ("id", "count")])
+    joined = exact.join(groups, "hash")
+    dups = joined.filter(pc.not_equal(joined["id"], joined["id_min"]))
+    dups = pa.table({"pos": dups["pos"], "rep": dups["id_min"]}, schema=DUPS).sort_by("pos")
+    _write(out / "exact.arrow", dups)
+    sizes = Counter(str(n) for n in groups.column("id_count").to_pylist() if n > 1)
+    edges = _edges(cfg, sign_dirs, p) if cfg.minhash else EDGES.empty_table()
+    _write(out / "edges.arrow", edges)
+    return {"exact_groups": dict(sorted(sizes.items(), key=_by_int)), "exact_duplicates": dups.num_rows,
+            "edges": edges.num_rows}
+
+
+def _edges(cfg: DedupConfig, sign_dirs: list[Path], p: int) -> pa.Table:
+    """Candidate pairs of the band buckets in partition `p`: each bucket's smallest id with every other text
+    in it (a text's id: the smallest id of its copies), kept when the estimated similarity reaches the
+    threshold."""
+    rows = pa.concat_tables([_read(d / f"bands-{p:04d}.arrow") for d in sign_dirs])
+    rows = rows.group_by(["band", "bucket", "hash"]).aggregate([("id", "min")])
+    sizes = rows.group_by(["band", "bucket"]).aggregate([("hash", "count")])
+    shared = sizes.filter(pc.greater(sizes["hash_count"], 1)).drop_columns("hash_count")
+    rows = rows.join(shared, ["band", "bucket"], join_type="inner").sort_by(
+        [("band", "ascending"), ("bucket", "ascending"), ("id_min", "ascending")])
+    found: set[tuple[int, str, int, str]] = set()
+    anchor, last = None, None
+    columns = (rows.column(c).to_pylist() for c in ("band", "bucket", "hash", "id_min"))
+    for band, bucket, h, i in zip(*columns):
+        if (band, bucket) != last:
+            anchor, last = (h, i), (band, bucket)
+        else:
+            found.add((*anchor, h, i))
+    sigs = signatures(sign_dirs, np.array([x for a, _, b, _ in found for x in (a, b)], np.uint64))
+    kept = sorted(e for e in found if minhash.similarity(sigs[e[0]], sigs[e[2]]) >= cfg.threshold)
+    return pa.table({name: [e[k] for e in kept] for k, name in enumerate(EDGES.names)}, schema=EDGES)
+
+
+def clusters(cfg: DedupConfig, sign_dirs: list[Path], pair_dirs: list[Path], out: Path) -> dict:
+    """Phase `clusters`: connected components of every partition's edges; each non-representative text
+    with its component's smallest id and its estimated similarity to it."""
+    edges = pa.concat_tables([_read(d / "edges.arrow") for d in pair_dirs])
+    parent: dict[int, int] = {}
+    name: dict[int, str] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, a_id, b, b_id in zip(*(edges.column(c).to_pylist() for c in EDGES.names)):
+        name[a], name[b] = a_id, b_id
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    members: dict[int, list[int]] = {}
+    for h in name:
+        members.setdefault(find(h), []).append(h)
+    reps = {root: min(ms, key=name.__getitem__) for root, ms in members.items()}
+    sigs = signatures(sign_dirs, np.array(list(name), np.uint64))
+    near = sorted((h, name[reps[find(h)]], round(minhash.similarity(sigs[h], sigs[reps[find(h)]]), 4))
+                  for h in name if h != reps[find(h)])
+    _write(out / "near.arrow",
+           pa.table({k: [r[i] for r in near] for i, k in enumerate(NEAR.names)}, schema=NEAR))
+    sizes = Counter(str(len(ms)) for ms in members.values())
+    return {"minhash_clusters": len(members),
+            "minhash_cluster_sizes": dict(sorted(sizes.items(), key=_by_int))}
+
+
+def _by_int(item: tuple[str, int]) -> int:
+    return int(item[0])
+
+
+def write_shard(cfg: DedupConfig, docs_dir: Path, pair_dirs: list[Path], near_dir: Path, out: Path,
+                part: tuple[int, int]) -> dict:
+    """Phase `shard`: record shard `part`'s documents with their fates (kept, exact or minhash duplicate)."""
+    rows = shard_rows(count_docs(docs_dir), part)
+    exact: dict[int, str] = {}
+    for d in pair_dirs:
+        t = _read(d / "exact.arrow")
+        pos = t.column("pos").to_numpy()
+        lo, hi = np.searchsorted(pos, rows.start), np.searchsorted(pos, rows.stop)
+        exact.update(zip(pos[lo:hi].tolist(), t.column("rep").slice(lo, hi - lo).to_pylist()))
+    near_t = _read(near_dir / "near.arrow")
+    near = dict(zip(near_t.column("hash").to_pylist(), zip(near_t.column("rep").to_pylist(),
+                                                           near_t.column("similarity").to_pylist())))
     ledger = Ledger("dedup")
-    n_in = 0
-    exact_clusters: dict[str, int] = {}
     with DocWriter(out) as writer:
-        for row in iter_docs(docs_dir):
-            n_in += 1
-            rep = first[hash_of[row["id"]]]
-            if rep != row["id"]:
-                ledger.add(row["id"], "duplicate", "exact", rep)
-                exact_clusters[rep] = exact_clusters.get(rep, 1) + 1
-            elif row["id"] in near and near[row["id"]][0] != row["id"]:
-                of, sim = near[row["id"]]
-                ledger.add(row["id"], "duplicate", "minhash", json.dumps({"of": of, "similarity": sim}))
+        for pos, row in zip(rows, iter_docs(docs_dir, shard=part)):
+            if pos in exact:
+                ledger.add(row["id"], "duplicate", "exact", exact[pos])
+                continue
+            of = near.get(xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode()))
+            if of is not None and of[0] != row["id"]:
+                ledger.add(row["id"], "duplicate", "minhash", json.dumps({"of": of[0], "similarity": of[1]}))
             else:
                 writer.write(row)
                 ledger.kept(row["id"])
         n_out = writer.count
     ledger.write(out)
-    near_sizes: dict[str, int] = {}
-    for rep in {r for r, _ in near.values()}:
-        size = sum(1 for r, _ in near.values() if r == rep)
-        near_sizes[str(size)] = near_sizes.get(str(size), 0) + 1
-    sizes: dict[str, int] = {}
-    for size in exact_clusters.values():
-        sizes[str(size)] = sizes.get(str(size), 0) + 1
+    return ledger.check(len(rows), n_out)
+
+
+def merge(prior: dict[str, list[Path]], out: Path) -> dict:
+    """Join the `shard` parts in order; the cluster statistics from `pairs` and `clusters`."""
+    stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["pairs"]]
+    sizes: Counter = Counter()
+    for s in stats:
+        sizes.update(s["exact_groups"])
+    near = json.loads((prior["clusters"][0] / "manifest.json").read_text())["stats"]
     return {
-        **ledger.check(n_in, n_out),
-        "duplicate_clusters": len(exact_clusters),
-        "cluster_sizes": sizes,
-        "minhash_clusters": sum(near_sizes.values()),
-        "minhash_cluster_sizes": dict(sorted(near_sizes.items())),
+        **join(prior["shard"], out, "dedup"),
+        "duplicate_clusters": sum(sizes.values()),
+        "cluster_sizes": dict(sorted(sizes.items(), key=_by_int)),
+        **near,
+        "shards": len(prior["shard"]),
+        "partitions": len(prior["pairs"]),
     }
+
+
+# The phases as the stage declares them: (slice, inputs, prior, out, part)
+def sign_part(cfg, inputs, prior, out, part):
+    return sign(cfg, inputs["docs"].dir, out, part)
+
+
+def pairs_part(cfg, inputs, prior, out, part):
+    return pairs(cfg, prior["sign"], out, part)
+
+
+def clusters_part(cfg, inputs, prior, out, part):
+    return clusters(cfg, prior["sign"], prior["pairs"], out)
+
+
+def shard_part(cfg, inputs, prior, out, part):
+    return write_shard(cfg, inputs["docs"].dir, prior["pairs"], prior["clusters"][0], out, part)
+
+
+PHASES = (("sign", sign_part), ("pairs", pairs_part), ("clusters", clusters_part), ("shard", shard_part))
+
+
+def run(cfg: DedupConfig, docs_dir: Path, out: Path, shards: int = 1) -> dict:
+    """The whole stage in this process, phase after phase (tests and benchmarks; the flow runs the phases
+    as tasks)."""
+
+    class _Docs:
+        dir = Path(docs_dir)
+
+    counts = {"sign": shards, "pairs": cfg.partitions, "clusters": 1, "shard": shards}
+    prior: dict[str, list[Path]] = {}
+    with tempfile.TemporaryDirectory(dir=Path(out).parent) as work:
+        for name, body in PHASES:
+            prior[name] = []
+            for i in range(counts[name]):
+                d = Path(work) / f"{name}-{i}"
+                d.mkdir()
+                stats = body(cfg, {"docs": _Docs}, dict(prior), d, (i, counts[name]))
+                (d / "manifest.json").write_text(json.dumps({"stats": stats}))
+                prior[name].append(d)
+        return merge(prior, out)

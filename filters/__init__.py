@@ -23,8 +23,7 @@ from datatrove.pipeline import filters as dt
 from tqdm import tqdm
 
 from moeflow.configs import DATATROVE_FILTERS, FilterConfig
-from moeflow.documents import DocWriter, count_docs, iter_docs
-from moeflow.lineage import ledger as ledgers
+from moeflow.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.lineage.ledger import Ledger
 
 Verdict = bool | tuple[bool, str]
@@ -149,35 +148,25 @@ def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (
     }
 
 
-def stage(cfg: FilterConfig, inputs: dict, out: Path, shard: tuple[int, int] = (0, 1)) -> dict:
-    """The `filter` stage's body: one shard of its `docs` input."""
-    return run(cfg, inputs["docs"].dir, out, shard=shard)
+def stage(cfg: FilterConfig, inputs: dict, out: Path) -> dict:
+    """The `filter` stage's body, unsharded."""
+    return run(cfg, inputs["docs"].dir, out)
 
 
-def merge(parts: list[Path], out: Path) -> dict:
+def shard(cfg: FilterConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
+    """One record shard of the `filter` stage."""
+    return run(cfg, inputs["docs"].dir, out, shard=part)
+
+
+def merge(prior: dict[str, list[Path]], out: Path) -> dict:
     """Join shard outputs in rank order: documents, ledgers, and stats (conservation checked again)."""
-    stats: dict = {"documents_in": 0, "documents_out": 0, "fates": Counter(), "by_source": {}}
-    with DocWriter(out) as writer:
-        for part in parts:
-            for row in iter_docs(part):
-                writer.write(row)
-            s = json.loads((part / "manifest.json").read_text())["stats"]
-            stats["documents_in"] += s["documents_in"]
-            stats["documents_out"] += s["documents_out"]
-            stats["fates"].update(s["fates"])
-            for source, counts in s["by_source"].items():
-                stats["by_source"].setdefault(source, Counter()).update(counts)
-        n_out = writer.count
-    merged = ledgers.concat(parts, out)
-    if len(merged) != stats["documents_in"] or n_out != stats["documents_out"]:
-        raise ledgers.ConservationError(
-            f"filter merge: shards account for {stats['documents_in']} documents "
-            f"({stats['documents_out']} kept) but hold {len(merged)} ledger rows and {n_out} documents"
-        )
+    parts = prior["shard"]
+    by_source: dict[str, Counter] = {}
+    for part in parts:
+        for source, counts in json.loads((part / "manifest.json").read_text())["stats"]["by_source"].items():
+            by_source.setdefault(source, Counter()).update(counts)
     return {
-        "documents_in": stats["documents_in"],
-        "documents_out": n_out,
-        "fates": dict(sorted(stats["fates"].items())),
-        "by_source": {s: dict(sorted(c.items())) for s, c in sorted(stats["by_source"].items())},
+        **join(parts, out, "filter"),
+        "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},
         "shards": len(parts),
     }

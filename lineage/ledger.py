@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 FATES = ("kept", "dropped", "duplicate", "contaminated", "quarantined")
 LEDGER = "ledger.parquet"
+ROWS_PER_GROUP = 65_536  # fixed, so a ledger joined from any number of shards has the same bytes
 SCHEMA = pa.schema(
     [("doc_id", pa.string()), ("fate", pa.string()), ("reason", pa.string()), ("detail", pa.string())]
 )
@@ -75,19 +78,50 @@ class Ledger:
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / LEDGER
-        pq.write_table(pa.table(self.rows, schema=SCHEMA), path, compression="zstd")
+        table = pa.table(self.rows, schema=SCHEMA)
+        pq.write_table(table, path, compression="zstd", row_group_size=ROWS_PER_GROUP)
         return path
 
 
-def concat(parts: list[Path], out: Path) -> pa.Table:
-    """Join the ledgers of record shards in rank order into `out`; a document id twice is an error."""
-    table = pa.concat_tables([read(p) for p in parts])
-    ids = table.column("doc_id").to_pylist()
-    if len(set(ids)) != len(ids):
-        dup = Counter(ids).most_common(1)[0][0]
-        raise ConservationError(f"document id {dup!r} appears in more than one shard's ledger")
-    pq.write_table(table, Path(out) / LEDGER, compression="zstd")
-    return table
+def concat(parts: list[Path], out: Path) -> int:
+    """Join the ledgers of record shards in rank order into `out`, one shard at a time; returns the rows.
+
+    Each shard's ledger has unique ids (`Ledger.check`); across shards, ids are compared by their 64-bit
+    hashes (8 bytes a document, sorted), and a hash seen twice is looked up to name the id."""
+    hashes, pending = [], []
+    with pq.ParquetWriter(Path(out) / LEDGER, SCHEMA, compression="zstd") as writer:
+        for part in parts:
+            table = read(part)
+            pending.append(table)
+            if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP:
+                pending = [_write_groups(writer, pa.concat_tables(pending))]
+            ids = table.column("doc_id").to_pylist()
+            hashes.append(np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64, len(ids)))
+        rest = pa.concat_tables(pending or [SCHEMA.empty_table()])
+        if rest.num_rows or not any(h.size for h in hashes):  # an empty ledger: one empty group, as `write`
+            writer.write_table(rest, row_group_size=ROWS_PER_GROUP)
+    joined = np.sort(np.concatenate(hashes)) if hashes else np.empty(0, np.uint64)
+    twice = joined[1:][joined[1:] == joined[:-1]]
+    if twice.size:
+        _name_duplicate(parts, set(twice.tolist()))
+    return int(joined.size)
+
+
+def _write_groups(writer: pq.ParquetWriter, table: pa.Table) -> pa.Table:
+    """Write the whole row groups in `table`; return the rest."""
+    whole = table.num_rows - table.num_rows % ROWS_PER_GROUP
+    writer.write_table(table.slice(0, whole), row_group_size=ROWS_PER_GROUP)
+    return table.slice(whole)
+
+
+def _name_duplicate(parts: list[Path], suspects: set[int]) -> None:
+    seen: set[str] = set()
+    for part in parts:
+        for doc_id in read(part).column("doc_id").to_pylist():
+            if xxhash.xxh3_64_intdigest(doc_id) in suspects:
+                if doc_id in seen:
+                    raise ConservationError(f"document id {doc_id!r} appears in more than one shard's ledger")
+                seen.add(doc_id)
 
 
 def read(folder: Path) -> pa.Table:

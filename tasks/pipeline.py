@@ -1,10 +1,10 @@
-"""Runs the flow's stage tasks in order.
-
-Shards on the configured task runner, `rerun` and `until`, what ran.
+"""Runs the flow's stage tasks in order: sharded stages' phases on the configured task runner, `rerun` and
+`until`, and a record of what ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,28 +82,39 @@ class Pipeline:
         cfg = cfg or self.cfg
         force = stage in self.rerun
         task_ = TASKS[stage].with_options(task_run_name=label or stage)
-        parts = self._shards(stage, cfg, inputs, task_, force, label or stage)
-        state = task_(stage, cfg, inputs, force=force, parts=parts, return_state=True)
+        prior = self._phases(stage, cfg, inputs, task_, force, label or stage)
+        state = task_(stage, cfg, inputs, force=force, prior=prior, return_state=True)
         manifest = self._record(label or stage, state)
         self.done = stage == self.until
         return manifest
 
-    def _shards(self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool,
-                label: str) -> list[Manifest] | None:
-        """A sharded stage whose joined artifact is not stored yet: its shards as concurrent tasks, each
-        its own artifact."""
+    def _phases(self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool,
+                label: str) -> dict[str, list[Manifest]] | None:
+        """A sharded stage whose joined artifact is not stored yet: each phase's parts as concurrent tasks
+        on the runner (in this process when every phase has one part), each its own artifact, a phase
+        starting when the one before has finished."""
         st = STAGES[stage]
-        n = st.shards(st.config(cfg)) if st.shards else 1
-        if n == 1 or (not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs))):
+        if not st.sharded(cfg):
             return None
-        with _runner(cfg, n) as runner:
-            futures = [runner.submit(task_.with_options(task_run_name=f"{label}[{r}/{n}]"),
-                                     {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
-                                      "shard": (r, n)})
-                       for r in range(n)]
-            for future in futures:
-                future.wait()
-        return [self._record(f"{label}[{r}/{n}]", future.state) for r, future in enumerate(futures)]
+        if not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs)):
+            return None
+        prior: dict[str, list[Manifest]] = {}
+        widest = max(p.parts(cfg) for p in st.phases)
+        with _runner(cfg, widest) if widest > 1 else contextlib.nullcontext() as runner:
+            for phase in st.phases:
+                n = phase.parts(cfg)
+                name = label if phase.name == "shard" else f"{label}.{phase.name}"
+                states = []
+                for r in range(n):
+                    one = task_.with_options(task_run_name=f"{name}[{r}/{n}]")
+                    kwargs = {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
+                              "part": (phase.name, r, n), "prior": dict(prior)}
+                    states.append(runner.submit(one, kwargs) if runner else one(**kwargs, return_state=True))
+                for future in states if runner else []:
+                    future.wait()
+                prior[phase.name] = [self._record(f"{name}[{r}/{n}]", s.state if runner else s)
+                                     for r, s in enumerate(states)]
+        return prior
 
     def _record(self, label: str, state) -> Manifest:
         manifest: Manifest = state.result()

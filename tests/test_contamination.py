@@ -187,3 +187,27 @@ def test_unmappable_document_is_quarantined_not_a_stage_failure(tmp_path, monkey
     assert detail["item_id"] == "7" and "but the text has 10 words" in detail["error"]
     assert [d["id"] for d in iter_docs(out)] == ["clean"]
     assert stats["fates"] == {"kept": 1, "quarantined": 1, "quarantined:cut_unmappable": 1}
+
+
+def test_shards_joined_equal_the_unsharded_stage(index_dir, tmp_path):
+    from helpers import join_parts
+
+    question = next(iter(contamination.items(GSM8K)))[1].split("\n")[0]
+    filler = "Intro paragraph about ducks and eggs and the weather at the coast. " * 10
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    with DocWriter(docs, rows_per_group=3) as w:
+        for i in range(23):
+            scattered = (question + " " + "filler words here " * 80) * 4 if i % 7 == 3 else ""  # > max_cuts
+            text = filler + (question if i % 4 == 1 else "") + filler + scattered
+            w.write({"id": f"d{i:02d}", "source": "s", "domain": "d", "path": "p", "text": text})
+    cfg = DecontamConfig(action="cut", cut_margin=20, max_cuts=3)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    expected = contamination.run(cfg, docs, index_dir, whole)
+    assert expected["fates"]["kept:cut"] and expected["fates"]["contaminated"]
+    joined, stats = join_parts(tmp_path / "parts", 4, lambda out, part: contamination.run(
+        cfg, docs, index_dir, out, part), contamination.merge)
+    assert stats.pop("shards") == 4 and stats == expected
+    for name in ("docs.parquet", "ledger.parquet"):
+        assert (joined / name).read_bytes() == (whole / name).read_bytes()

@@ -97,8 +97,8 @@ def test_two_concurrent_runs_build_each_artifact_once(reference, tmp_path):
     for stage in ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize"):
         assert len(built[stage]) == 1, stage
     events = [json.loads(line) for line in (store / "openlineage" / "events.jsonl").read_text().splitlines()]
-    completed = [e["job"]["name"] for e in events if e["eventType"] == "COMPLETE"]
-    assert sorted(completed) == sorted(set(completed))  # no stage completed twice
+    completed = [d["name"] for e in events if e["eventType"] == "COMPLETE" for d in e["outputs"]]
+    assert sorted(completed) == sorted(set(completed))  # no artifact completed twice
     ours, ref = _content(store), _content(reference)
     assert ours == {k: ref[k] for k in ours}
 

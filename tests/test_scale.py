@@ -13,20 +13,14 @@ import pytest
 from helpers import write_config
 from moeflow.moe.launch import free_port
 
-DATA_STAGES = (
-    "sources",
-    "ingest",
-    "filter[0/2]",
-    "filter[1/2]",
-    "filter",
-    "dedup",
-    "benchmarks",
-    "decontaminate",
-    "tokenizer",
-    "tokenize",
-    "overlap",
-    "mix",
-)
+WHOLE = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize",
+         "overlap", "mix")
+# the sharded stages' phases and their part counts with `execution.shards: 2` and `dedup.partitions: 2`
+PHASES = {"filter": {"shard": 2}, "dedup": {"sign": 2, "pairs": 2, "clusters": 1, "shard": 2},
+          "decontaminate": {"shard": 2}}
+PARTS = tuple(f"{stage}{'' if phase == 'shard' else '.' + phase}[{r}/{n}]"
+              for stage, phases in PHASES.items() for phase, n in phases.items() for r in range(n))
+DATA_STAGES = (*WHOLE, *PARTS)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +110,8 @@ def pooled(prefect_server, smoke_data, tmp_path_factory):
     config = write_config(
         tmp / "processes.yaml",
         store=str(tmp / "store"),
-        filter={"shards": 2},
-        execution={"runner": "processes", "workers": 2},
+        dedup={"partitions": 2},
+        execution={"runner": "processes", "workers": 2, "shards": 2},
     )
     return pretrain(config=str(config), until="mix")
 
@@ -128,8 +122,8 @@ def _run_on(tmp_path, **execution) -> dict:
     config = write_config(
         tmp_path / "cluster.yaml",
         store=str(tmp_path / "store"),
-        filter={"shards": 2},
-        execution={"workers": 2, **execution},
+        dedup={"partitions": 2},
+        execution={"workers": 2, "shards": 2, **execution},
     )
     return pretrain(config=str(config), until="mix")
 
@@ -148,12 +142,10 @@ def _assert_same_artifacts(run: dict, pooled: dict) -> None:
 
 
 def _shard_hosts(run: dict) -> list[dict]:
-    """Each filter shard's lineage: built by a Prefect task run, on the host it records."""
+    """Each part's lineage, of every sharded stage: built by a Prefect task run, on the host it records."""
     out = []
-    for rank in range(2):
-        lineage = json.loads(
-            (Path(run["stages"][f"filter[{rank}/2]"]["artifact"]) / "lineage.json").read_text()
-        )
+    for label in PARTS:
+        lineage = json.loads((Path(run["stages"][label]["artifact"]) / "lineage.json").read_text())
         assert lineage["prefect"].get("task_run_id")
         out.append(lineage["host"])
     return out

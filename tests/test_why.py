@@ -109,7 +109,7 @@ def test_editing_only_comments_and_docstrings_rebuilds_nothing(copy):
         + "\n# a trailing comment\n"
     )
     plans = _plan(src, config, "dedup")
-    assert plans["dedup"]["status"] == "reuse"
+    assert plans["dedup"]["status"] == "reuse", plans["dedup"]
     assert _statuses(_moeflow(src, "run", str(config), "--until", "dedup")) == dict.fromkeys(
         ("sources", "ingest", "filter", "dedup"), "reused")
 
