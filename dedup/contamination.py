@@ -28,7 +28,7 @@ import xxhash
 from tqdm import tqdm
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
-from moeflow.documents import DocWriter, count_docs, iter_docs, join
+from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import fetch
 
@@ -270,7 +270,7 @@ def shard(cfg: DecontamConfig, inputs: dict, prior: dict, out: Path, part: tuple
     return run(cfg, inputs["docs"].dir, inputs["index"].dir, out, part)
 
 
-def merge(prior: dict[str, list[Path]], out: Path) -> dict:
+def merge(cfg: DecontamConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join the shards in order; the per-benchmark counts summed."""
     stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["shard"]]
     per_bench: dict[str, dict] = {}
@@ -334,16 +334,42 @@ def overlap_stage(s: dict, inputs: dict, out: Path) -> dict:
                    inputs["index"].dir, out)
 
 
-def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir: Path, out: Path) -> dict:
-    """Measure the benchmark overlap left in a token store: decode every document and check it again."""
+def overlap_part(s: dict, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
+    """One record shard of the `overlap` stage."""
+    return overlap(DecontamConfig(ngram=s["ngram"]), inputs["shards"].dir, inputs["tokenizer"].dir,
+                   inputs["index"].dir, out, part)
+
+
+def overlap_merge(s: dict, prior: dict[str, list[Path]], out: Path) -> dict:
+    """Join the shards' findings in order; their counts summed."""
+    found, checked, per_bench = [], 0, {}
+    for part in prior["shard"]:
+        found += json.loads((part / "overlap.json").read_text())
+        stats = json.loads((part / "manifest.json").read_text())["stats"]
+        checked += stats["documents_checked"]
+        for bench, counts in stats["remaining"].items():
+            b = per_bench.setdefault(bench, {"documents": 0, "ngrams": 0})
+            b["documents"] += counts["documents"]
+            b["ngrams"] += counts["ngrams"]
+    (out / "overlap.json").write_text(json.dumps(found, indent=2, sort_keys=True))
+    return {"ngram": s["ngram"], "documents_checked": checked, "remaining": dict(sorted(per_bench.items())),
+            "shards": len(prior["shard"])}
+
+
+def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir: Path, out: Path,
+            part: tuple[int, int] = (0, 1)) -> dict:
+    """Measure the benchmark overlap left in a token store (or record shard `part` of it): decode every
+    document and check it again."""
     from moeflow.tokenize.store import iter_tokens
     from moeflow.tokenize.tokenizer import load as load_tokenizer
 
     index, tok = Index(index_dir), load_tokenizer(tokenizer_dir)
     per_bench: dict[str, dict] = {}
     found, checked = [], 0
-    total = pq.ParquetFile(Path(store_dir) / "index.parquet").metadata.num_rows
-    for doc_id, ids in tqdm(iter_tokens(store_dir), desc="overlap", unit="doc", mininterval=5, total=total):
+    rows = shard_rows(pq.ParquetFile(Path(store_dir) / "index.parquet").metadata.num_rows, part)
+    docs = iter_tokens(store_dir, rows=rows)
+    desc = f"overlap {part[0]}/{part[1]}"
+    for doc_id, ids in tqdm(docs, desc=desc, unit="doc", mininterval=5, total=len(rows)):
         checked += 1
         matched, item, _ = index.matches(tok.decode(ids.tolist(), skip_special_tokens=False), cfg.ngram)
         if matched:

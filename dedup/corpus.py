@@ -240,7 +240,7 @@ def write_shard(cfg: DedupConfig, docs_dir: Path, pair_dirs: list[Path], near_di
     return ledger.check(len(rows), n_out)
 
 
-def merge(prior: dict[str, list[Path]], out: Path) -> dict:
+def merge(cfg: DedupConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join the `shard` parts in order; the cluster statistics from `pairs` and `clusters`."""
     stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["pairs"]]
     sizes: Counter = Counter()
@@ -295,4 +295,4 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path, shards: int = 1) -> dict:
                 stats = body(cfg, {"docs": _Docs}, dict(prior), d, (i, counts[name]))
                 (d / "manifest.json").write_text(json.dumps({"stats": stats}))
                 prior[name].append(d)
-        return merge(prior, out)
+        return merge(cfg, prior, out)

@@ -158,7 +158,7 @@ def shard(cfg: FilterConfig, inputs: dict, prior: dict, out: Path, part: tuple[i
     return run(cfg, inputs["docs"].dir, out, shard=part)
 
 
-def merge(prior: dict[str, list[Path]], out: Path) -> dict:
+def merge(cfg: FilterConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join shard outputs in rank order: documents, ledgers, and stats (conservation checked again)."""
     parts = prior["shard"]
     by_source: dict[str, Counter] = {}

@@ -72,11 +72,11 @@ class Stage:
     libraries: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
     fetched: Callable[[Any], dict] | None = None  # (slice) -> identities of the files read outside the store
     resumable: bool = False
-    # a sharded stage: its phases run in order, then `merge(prior, out)` joins them into the artifact,
+    # a sharded stage: its phases run in order, then `merge(slice, prior, out)` joins them into the artifact,
     # whose key leaves the part counts out (the output is the same for any); a stage with a body runs
     # that instead when every phase has one part. Phase bodies live in the body's module.
     phases: tuple[Phase, ...] = ()
-    merge: Callable[[dict[str, list[Path]], Path], dict] | None = None
+    merge: Callable[[Any, dict[str, list[Path]], Path], dict] | None = None
 
     @property
     def module(self) -> str:
@@ -174,6 +174,8 @@ STAGES: dict[str, Stage] = {
             lambda c: {"ngram": c.decontaminate.ngram},
             contamination.overlap_stage,
             ("numpy", "tokenizers"),
+            phases=(Phase("shard", contamination.overlap_part, lambda c: c.execution.shards),),
+            merge=contamination.overlap_merge,
         ),
         Stage(
             "tokenizer",
@@ -182,7 +184,14 @@ STAGES: dict[str, Stage] = {
             ("tokenizers",),
             fetched=_tokenizer_files,
         ),
-        Stage("tokenize", lambda c: c.tokenizer, token_store.stage, ("tokenizers", "pyarrow", "zstandard")),
+        Stage(
+            "tokenize",
+            lambda c: c.tokenizer,
+            token_store.stage,
+            ("tokenizers", "pyarrow", "zstandard"),
+            phases=(Phase("encode", token_store.encode_part, lambda c: c.execution.shards),),
+            merge=token_store.merge,
+        ),
         Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
         # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
         # never takes a rung's mix for the target's)
@@ -311,7 +320,7 @@ def _run_body(
         phase = next(p for p in stage.phases if p.name == part[0])
         return phase.body(slice_, inputs, dirs, tmp, part=part[1:])
     if prior:
-        stats = stage.merge(dirs, tmp)
+        stats = stage.merge(slice_, dirs, tmp)
     else:
         stats = stage.body(slice_, inputs, tmp, work) if stage.resumable else stage.body(slice_, inputs, tmp)
     check_conservation(stage.name, inputs, stats)

@@ -85,7 +85,7 @@ def write_large_jsonl(path: Path, size: int, unique: int = 1000, words: int = 30
     return lines
 
 
-def join_parts(folder: Path, n: int, build, merge) -> tuple[Path, dict]:
+def join_parts(folder: Path, n: int, build, merge, cfg=None, phase: str = "shard") -> tuple[Path, dict]:
     """A one-phase sharded stage run by hand: `build(out, (rank, n))` per shard, then `merge`; returns the
     joined folder and its stats."""
     parts = []
@@ -96,4 +96,4 @@ def join_parts(folder: Path, n: int, build, merge) -> tuple[Path, dict]:
         parts.append(part)
     joined = folder / "joined"
     joined.mkdir()
-    return joined, merge({"shard": parts}, joined)
+    return joined, merge(cfg, {phase: parts}, joined)

@@ -207,7 +207,38 @@ def test_shards_joined_equal_the_unsharded_stage(index_dir, tmp_path):
     expected = contamination.run(cfg, docs, index_dir, whole)
     assert expected["fates"]["kept:cut"] and expected["fates"]["contaminated"]
     joined, stats = join_parts(tmp_path / "parts", 4, lambda out, part: contamination.run(
-        cfg, docs, index_dir, out, part), contamination.merge)
+        cfg, docs, index_dir, out, part), contamination.merge, cfg)
     assert stats.pop("shards") == 4 and stats == expected
     for name in ("docs.parquet", "ledger.parquet"):
         assert (joined / name).read_bytes() == (whole / name).read_bytes()
+
+
+def test_overlap_shards_joined_equal_the_unsharded_check(index_dir, tmp_path):
+    """The overlap left in a token store, checked as 3 record shards: the same findings, in order."""
+    from helpers import join_parts
+
+    from moeflow.configs import TokenizerConfig
+    from moeflow.tokenize import store, tokenizer
+
+    question = next(iter(contamination.items(GSM8K)))[1].split("\n")[0]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    with DocWriter(docs) as w:
+        for i in range(17):
+            text = "Plain words about the river, the mill and the market square. " * 8
+            w.write({"id": f"d{i:02d}", "source": "s", "domain": "d", "path": "p",
+                     "text": text + (question if i % 5 == 2 else "")})
+    tok_dir, store_dir = tmp_path / "tok", tmp_path / "store"
+    tok_dir.mkdir()
+    store_dir.mkdir()
+    tokenizer.build(TokenizerConfig(kind="bpe", vocab_size=600), docs, tok_dir)
+    store.run(TokenizerConfig(shard_tokens=500), docs, tok_dir, store_dir)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    cfg = {"ngram": DecontamConfig().ngram}
+    expected = contamination.overlap(DecontamConfig(), store_dir, tok_dir, index_dir, whole)
+    assert expected["remaining"]["gsm8k"]["documents"] == 3 and expected["documents_checked"] == 17
+    joined, stats = join_parts(tmp_path / "parts", 3, lambda out, part: contamination.overlap(
+        DecontamConfig(), store_dir, tok_dir, index_dir, out, part), contamination.overlap_merge, cfg)
+    assert stats.pop("shards") == 3 and stats == expected
+    assert (joined / "overlap.json").read_bytes() == (whole / "overlap.json").read_bytes()

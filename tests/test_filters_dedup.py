@@ -129,7 +129,7 @@ def test_shards_joined_equal_the_unsharded_stage(tmp_path):
     assert {len(list(iter_docs(p))) for p in parts} != {0}
     joined = tmp_path / "joined"
     joined.mkdir()
-    merged = filters.merge({"shard": parts}, joined)
+    merged = filters.merge(cfg, {"shard": parts}, joined)
     assert merged.pop("shards") == 3 and merged == expected
     for name in ("docs.parquet", "ledger.parquet"):
         assert (joined / name).read_bytes() == (whole / name).read_bytes()

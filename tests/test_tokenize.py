@@ -54,6 +54,22 @@ def built(docs, tmp_path_factory):
     return tok_dir, store_dir, stats
 
 
+def test_encoded_parts_packed_equal_the_unsharded_store(built, docs, tmp_path):
+    """Encoded as 4 record shards and packed in order: the same shard files and index, byte for byte."""
+    from helpers import join_parts
+
+    tok_dir, store_dir, stats = built
+    cfg = TokenizerConfig(shard_tokens=3000)
+    inputs = {"docs": type("M", (), {"dir": docs}), "tokenizer": type("M", (), {"dir": tok_dir})}
+    joined, packed = join_parts(tmp_path, 4, lambda out, part: store.encode_part(cfg, inputs, {}, out, part),
+                                store.merge, cfg, phase="encode")
+    assert packed.pop("parts") == 4 and packed == stats
+    names = sorted(p.name for p in store_dir.iterdir())
+    assert names == sorted(p.name for p in joined.iterdir()) and len(names) == stats["shards"] + 1
+    for name in names:
+        assert (joined / name).read_bytes() == (store_dir / name).read_bytes(), name
+
+
 def test_pieces_cut_at_line_breaks():
     text = ("x" * 90 + "\n") * 50
     parts = store.pieces(text, limit=1000)

@@ -1,8 +1,10 @@
 """Sharded Arrow token stores: one row per document (id, source, domain, tokens) in zstd Arrow IPC shards.
 
 `index.parquet` maps every document to its shard, row and token count, so any token traces back to
-its document and raw source. Long documents are cut at line breaks before encoding (one very long
-document slows `encode_batch` for the whole batch); the pieces' tokens are concatenated.
+its document and raw source. Sharded, the stage encodes record shards in parallel (`encode`) and its
+join packs them, in order, into the same shards one process writes. Long documents are cut at line
+breaks before encoding (one very long document slows `encode_batch` for the whole batch); the pieces'
+tokens are concatenated.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from moeflow.tokenize.tokenizer import load as load_tokenizer
 INDEX = "index.parquet"
 PIECE_CHARS = 16_384
 BATCH_CHARS = 4_000_000  # text per encode_batch call: large enough to keep every core busy
+BATCH_ROWS = 1024  # documents per record batch of a shard
+PART_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
+                         ("path", pa.string())])
+INDEX_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
+                          ("shard", pa.int64()), ("row", pa.int64()), ("tokens", pa.int64())])
+_ZSTD = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
 def token_type(vocab_size: int) -> pa.DataType:
@@ -57,121 +65,168 @@ def stage(cfg: TokenizerConfig, inputs: dict, out: Path) -> dict:
     return run(cfg, inputs["docs"].dir, inputs["tokenizer"].dir, out)
 
 
-def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path, sample_rows: int = 3) -> dict:
+def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
     """Write the shards and `index.parquet` into `out`; return stats, with per shard its counts and its first
-    `sample_rows` documents' raw files (what the card's drill-down shows, from the lineage record alone)."""
+    documents' raw files (what the card's drill-down shows, from the lineage record alone)."""
     tok = load_tokenizer(tokenizer_dir)
-    ttype = token_type(tok.get_vocab_size())
-    schema = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
-                        ("tokens", pa.large_list(ttype))])
-    index = {"doc_id": [], "source": [], "domain": [], "shard": [], "row": [], "tokens": []}
-    shard_no, rows_in_shard, tokens_in_shard, writer = 0, 0, 0, None
-    per_domain: dict[str, int] = {}
-    paths: dict[tuple[int, int], str] = {}  # (shard, row) -> raw file, for each shard's first rows
-    total = count_docs(docs_dir)
+    packer = Packer(out, token_type(tok.get_vocab_size()), cfg.shard_tokens)
+    for row, tokens in encoded(tok, docs_dir, (0, 1)):
+        packer.add(row["id"], row["source"], row["domain"], row["path"], tokens)
+    return packer.close()
+
+
+def encoded(tok, docs_dir: Path, part: tuple[int, int]):
+    """(document, its tokens) for record shard `part` of `docs_dir`, encoded a few MB of text at a time."""
+    ttype = token_type(tok.get_vocab_size()).to_pandas_dtype()
     batch: list[dict] = []
-    batch_chars = 0
-
-    pending: list[tuple[dict, np.ndarray]] = []  # documents of the open shard not yet written
-
-    def write_pending() -> None:
-        nonlocal writer
-        if not pending:
-            return
-        if writer is None:
-            writer = pa.ipc.new_file(out / f"shard-{shard_no:05d}.arrow", schema,
-                                     options=pa.ipc.IpcWriteOptions(compression="zstd"))
-        writer.write_table(
-            pa.table(
-                {
-                    "doc_id": [r["id"] for r, _ in pending],
-                    "source": [r["source"] for r, _ in pending],
-                    "domain": [r["domain"] for r, _ in pending],
-                    "tokens": pa.array([t for _, t in pending], type=pa.large_list(ttype)),
-                },
-                schema=schema,
-            )
-        )
-        pending.clear()
-
-    def flush(batch: list[dict]) -> None:
-        nonlocal shard_no, rows_in_shard, tokens_in_shard, writer
-        for r, toks in zip(batch, encode_docs(tok, [r["text"] for r in batch])):
-            pending.append((r, toks))
-            for k, v in (
-                ("doc_id", r["id"]),
-                ("source", r["source"]),
-                ("domain", r["domain"]),
-                ("shard", shard_no),
-                ("row", rows_in_shard),
-                ("tokens", len(toks)),
-            ):
-                index[k].append(v)
-            per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + len(toks)
-            if rows_in_shard < sample_rows:
-                paths[(shard_no, rows_in_shard)] = r["path"]
-            rows_in_shard += 1
-            tokens_in_shard += len(toks)
-            if tokens_in_shard >= cfg.shard_tokens:
-                write_pending()
-                writer.close()
-                writer, shard_no, rows_in_shard, tokens_in_shard = None, shard_no + 1, 0, 0
-        write_pending()
-
-    for row in tqdm(iter_docs(docs_dir), total=total, desc="tokenize", unit="doc", mininterval=5):
+    chars = 0
+    rows = iter_docs(docs_dir, shard=part)
+    total = count_docs(docs_dir, part)
+    for row in tqdm(rows, total=total, desc=f"tokenize {part[0]}/{part[1]}", unit="doc", mininterval=5):
         batch.append(row)
-        batch_chars += len(row["text"])
-        if batch_chars >= BATCH_CHARS:
-            flush(batch)
-            batch, batch_chars = [], 0
-    if batch:
-        flush(batch)
-    if writer is not None:
-        writer.close()
-        shard_no += 1
-    pq.write_table(pa.table(index), out / INDEX)
-    return {
-        "documents": len(index["doc_id"]),
-        "tokens": int(sum(index["tokens"])),
-        "shards": shard_no,
-        "tokens_per_domain": dict(sorted(per_domain.items())),
-        "token_type": str(ttype),
-        "by_shard": _by_shard(index, paths),
-    }
+        chars += len(row["text"])
+        if chars >= BATCH_CHARS:
+            yield from zip(batch, (t.astype(ttype) for t in encode_docs(tok, [r["text"] for r in batch])))
+            batch, chars = [], 0
+    yield from zip(batch, (t.astype(ttype) for t in encode_docs(tok, [r["text"] for r in batch])))
 
 
-def _by_shard(index: dict[str, list], paths: dict[tuple[int, int], str]) -> list[dict]:
-    """Per shard: documents, tokens, documents per source, and the rows in `paths` with their raw file."""
-    shards: list[dict] = []
-    columns = (index[k] for k in ("doc_id", "source", "shard", "row", "tokens"))
-    for doc_id, source, shard, row, tokens in zip(*columns):
-        if shard == len(shards):
-            shards.append({"shard": shard, "documents": 0, "tokens": 0, "sources": {}, "first_rows": []})
-        s = shards[shard]
-        s["documents"] += 1
-        s["tokens"] += tokens
-        s["sources"][source] = s["sources"].get(source, 0) + 1
-        if (shard, row) in paths:
+def encode_part(cfg: TokenizerConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
+    """Phase `encode` of the sharded stage: record shard `part`'s documents and tokens, in order, in
+    `tokens.arrow` (the join packs them into the store's shards)."""
+    tok = load_tokenizer(inputs["tokenizer"].dir)
+    ttype = token_type(tok.get_vocab_size())
+    schema = PART_SCHEMA.append(pa.field("tokens", pa.large_list(ttype)))
+    n = tokens = 0
+    with pa.ipc.new_file(out / "tokens.arrow", schema, options=_ZSTD) as writer:
+        rows: list[tuple[dict, np.ndarray]] = []
+        for row, toks in encoded(tok, inputs["docs"].dir, part):
+            rows.append((row, toks))
+            n, tokens = n + 1, tokens + len(toks)
+            if len(rows) == BATCH_ROWS:
+                writer.write_table(_part_table(rows, schema))
+                rows = []
+        writer.write_table(_part_table(rows, schema))
+    return {"documents": n, "tokens": tokens}
+
+
+def _part_table(rows: list[tuple[dict, np.ndarray]], schema: pa.Schema) -> pa.Table:
+    columns = {k: [r[k if k != "doc_id" else "id"] for r, _ in rows] for k in PART_SCHEMA.names}
+    return pa.table({**columns, "tokens": pa.array([t for _, t in rows], schema.field("tokens").type)},
+                    schema=schema)
+
+
+def merge(cfg: TokenizerConfig, prior: dict[str, list[Path]], out: Path) -> dict:
+    """Pack the `encode` parts, in order, into the store's shards: the same bytes as one process makes."""
+    packer = None
+    for part in prior["encode"]:
+        with pa.memory_map(str(part / "tokens.arrow")) as src:
+            reader = pa.ipc.open_file(src)
+            if packer is None:
+                packer = Packer(out, reader.schema.field("tokens").type.value_type, cfg.shard_tokens)
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                toks = batch.column("tokens")
+                columns = (batch.column(k).to_pylist() for k in PART_SCHEMA.names)
+                for i, (doc_id, source, domain, path) in enumerate(zip(*columns)):
+                    packer.add(doc_id, source, domain, path, toks[i].values.to_numpy())
+    return {**packer.close(), "parts": len(prior["encode"])}
+
+
+class Packer:
+    """Writes documents' tokens, in the order given, into zstd Arrow shards of about `shard_tokens` tokens
+    each, in record batches of `BATCH_ROWS` documents (so a store's bytes do not depend on how its
+    documents arrived), and streams `index.parquet`. Holds one batch, and per shard its counts."""
+
+    def __init__(self, out: Path, ttype: pa.DataType, shard_tokens: int, sample_rows: int = 3):
+        self.out, self.ttype, self.shard_tokens = Path(out), ttype, shard_tokens
+        self.sample_rows = sample_rows
+        self.schema = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("domain", pa.string()),
+                                 ("tokens", pa.large_list(ttype))])
+        self.index = pq.ParquetWriter(self.out / INDEX, INDEX_SCHEMA)
+        self.rows: list[tuple] = []
+        self.writer = None
+        self.shards: list[dict] = []
+        self.per_domain: dict[str, int] = {}
+        self.in_shard = 0  # tokens in the open shard
+
+    def add(self, doc_id: str, source: str, domain: str, path: str, tokens: np.ndarray) -> None:
+        if self.writer is None:
+            self.writer = pa.ipc.new_file(self.out / f"shard-{len(self.shards):05d}.arrow", self.schema,
+                                          options=_ZSTD)
+            self.shards.append({"shard": len(self.shards), "documents": 0, "tokens": 0, "sources": {},
+                                "first_rows": []})
+        s = self.shards[-1]
+        if s["documents"] < self.sample_rows:
             s["first_rows"].append(
-                {"row": row, "doc_id": doc_id, "tokens": tokens, "path": paths[shard, row]}
-            )
-    for s in shards:
-        s["sources"] = dict(sorted(s["sources"].items()))
-    return shards
+                {"row": s["documents"], "doc_id": doc_id, "tokens": len(tokens), "path": path})
+        self.rows.append((doc_id, source, domain, s["shard"], s["documents"], tokens))
+        s["documents"] += 1
+        s["tokens"] += len(tokens)
+        s["sources"][source] = s["sources"].get(source, 0) + 1
+        self.per_domain[domain] = self.per_domain.get(domain, 0) + len(tokens)
+        self.in_shard += len(tokens)
+        if len(self.rows) == BATCH_ROWS or self.in_shard >= self.shard_tokens:
+            self._flush()
+        if self.in_shard >= self.shard_tokens:
+            self.writer.close()
+            self.writer, self.in_shard = None, 0
+
+    def _flush(self) -> None:
+        if not self.rows:
+            return
+        doc_ids, sources, domains, shards, rows, tokens = zip(*self.rows)
+        names = {"doc_id": doc_ids, "source": sources, "domain": domains}
+        self.writer.write_table(
+            pa.table({**names, "tokens": pa.array(tokens, pa.large_list(self.ttype))}, self.schema))
+        self.index.write_table(pa.table(
+            {**names, "shard": shards, "row": rows, "tokens": [len(t) for t in tokens]}, INDEX_SCHEMA))
+        self.rows = []
+
+    def close(self) -> dict:
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+        self.index.close()
+        for s in self.shards:
+            s["sources"] = dict(sorted(s["sources"].items()))
+        return {
+            "documents": sum(s["documents"] for s in self.shards),
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": len(self.shards),
+            "tokens_per_domain": dict(sorted(self.per_domain.items())),
+            "token_type": str(self.ttype),
+            "by_shard": self.shards,
+        }
 
 
-def iter_tokens(store_dir: Path, ids: set[str] | None = None):
-    """(doc id, tokens) for every document of a store, or those in `ids`, one record batch decompressed
-    at a time: memory holds one batch and what the caller keeps, never the store."""
-    for shard in sorted(Path(store_dir).glob("shard-*.arrow")):
+def iter_tokens(store_dir: Path, ids: set[str] | None = None, rows: range | None = None):
+    """(doc id, tokens) for every document of a store, or those in `ids`, or those at positions `rows` of
+    the store's order, one record batch decompressed at a time: memory holds one batch and what the
+    caller keeps, never the store. Shards wholly outside `rows` are skipped by their index counts."""
+    starts = _shard_starts(store_dir) if rows is not None else None
+    at = 0
+    for k, shard in enumerate(sorted(Path(store_dir).glob("shard-*.arrow"))):
+        if starts is not None:
+            at = starts[k]
+            if starts[k + 1] <= rows.start or at >= rows.stop:
+                continue
         with pa.memory_map(str(shard)) as src:
             reader = pa.ipc.open_file(src)
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 toks = batch.column("tokens")
                 for i, doc_id in enumerate(batch.column("doc_id").to_pylist()):
-                    if ids is None or doc_id in ids:
+                    if (ids is None or doc_id in ids) and (rows is None or at + i in rows):
                         yield doc_id, toks[i].values.to_numpy()
+                at += batch.num_rows
+
+
+def _shard_starts(store_dir: Path) -> np.ndarray:
+    """The store position of each shard's first document (and the total, last)."""
+    shard = pq.read_table(Path(store_dir) / INDEX, columns=["shard"]).column("shard").to_numpy()
+    counts = np.bincount(shard) if shard.size else np.zeros(0, np.int64)
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 def read_tokens(store_dir: Path, ids: set[str] | None = None) -> dict[str, np.ndarray]:
