@@ -1,0 +1,357 @@
+"""Corpus scale: the sharded data stages at 1x, 4x and 16x, per core and per worker, against the bare libraries.
+
+Run: `python benchmarks/corpus_scale.py [--base 300] [--scales 1 4 16] [--repeats 1]` (the tiny preset's
+packages must be fetched: `moeflow fetch tiny`).
+
+Input: `--base` documents of the tiny preset's sources (ingested by moeflow, shuffled). Scale k holds k
+variants of each: variant 0 is the document, variant v > 0 the document with every token outside the
+300 most frequent swapped for another of the same length (a per-variant permutation of the corpus's
+vocabulary: the same sentence shapes and stop words, different shingles). Planted on top, with known
+truth: every 5th document gets a near-copy (one word in 100 replaced: about 0.9 Jaccard on 5-grams) and
+every 10th an exact copy (case and spacing changed).
+
+Each stage (`filter` with the Gopher steps, `dedup`, `decontaminate` against the tiny preset's index,
+`tokenize` with GPT-2's BPE) runs on the same input through `tasks.stages.materialize` (a real store:
+keys, checks, commits): every phase's parts on a pool of `workers` processes, started and warmed (moeflow
+imported) before the clock starts, the shard count k (a shard holds the same documents at every scale),
+`dedup.partitions` max(1, k // 2), then the join in the pool. Reported per stage, scale and worker count:
+documents/s per core (documents / wall / workers), the largest worker's peak RSS (VmHWM), and the join's
+seconds (the driver's own cost). The bare libraries, one process, same input, start-up untimed:
+datatrove's Gopher filters (Parquet reader to Parquet writer), datatrove's four-step MinHash (same
+n-gram size, bands and rows; its own word tokenizer), `tokenizers.encode_batch` over the texts a row
+group at a time. Dedup quality against the planted truth (see `quality` and `datatrove_quality`).
+What it does not show: Prefect's scheduling (the pool stands in for its process pool), Ray or Dask,
+sizes past 16x, and documents much longer than the tiny preset's. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+STAGES = ("filter", "dedup", "decontaminate", "tokenize")
+STEPS = ["gopher_repetition", "gopher_quality"]
+
+
+def build_corpus(folder: Path, base: list[dict], scale: int) -> dict:
+    """docs.parquet of `scale` variants of each base document plus the planted copies; returns the truth:
+    id -> the id of the document it copies (planted copies only)."""
+    from moeflow.documents import DocWriter
+
+    truth: dict[str, str] = {}
+    folder.mkdir(parents=True)
+    with DocWriter(folder) as w:
+        n = 0
+        for v in range(scale):
+            swap = _substitution(base, v)
+            for doc in base:
+                text = doc["text"] if v == 0 else " ".join(swap.get(x, x) for x in doc["text"].split(" "))
+                row = {**doc, "id": f"{doc['id']}~{v}", "text": text}
+                w.write(row)
+                n += 1
+                if n % 5 == 0:
+                    words = text.split(" ")
+                    near = " ".join("edited" if (j + n) % 100 == 0 else x for j, x in enumerate(words))
+                    w.write({**row, "id": f"{row['id']}~near", "text": near})
+                    truth[f"{row['id']}~near"] = row["id"]
+                if n % 10 == 0:
+                    w.write({**row, "id": f"{row['id']}~copy", "text": "  ".join(text.split(" ")).upper()})
+                    truth[f"{row['id']}~copy"] = row["id"]
+    return {"documents": w.count, "truth": truth}
+
+
+def _substitution(base: list[dict], v: int) -> dict[str, str]:
+    """Variant v's vocabulary: the 300 most frequent tokens kept (the stop words the quality filters count),
+    every other token swapped for a random other token of the same length from the base corpus."""
+    from collections import Counter
+
+    counts = Counter(x for d in base for x in d["text"].split(" "))
+    keep = {x for x, _ in counts.most_common(300)}
+    by_len: dict[int, list[str]] = {}
+    for x in sorted(counts):
+        if x not in keep:
+            by_len.setdefault(len(x), []).append(x)
+    rng = random.Random(v)
+    swap = {}
+    for words in by_len.values():
+        shuffled = words[:]
+        rng.shuffle(shuffled)
+        swap.update(zip(words, shuffled))
+    return swap
+
+
+def base_docs(n: int, work: Path) -> list[dict]:
+    from moeflow import configs, ingest
+    from moeflow.documents import iter_docs
+
+    out = work / "ingest"
+    out.mkdir()
+    ingest.run(ingest.resolve_sources(configs.load("tiny")), out)
+    docs = [d for d in iter_docs(out) if len(d["text"].split()) >= 100]
+    random.Random(0).shuffle(docs)
+    return docs[:n]
+
+
+def _config(store: Path, shards: int):
+    from moeflow import configs
+
+    return configs.load("tiny", store=str(store), filter={"steps": STEPS, "languages": None, "overrides": {}},
+                        tokenizer={"kind": "gpt2"}, dedup={"partitions": max(1, shards // 2)},
+                        execution={"shards": shards})
+
+
+def _hwm_mb() -> float:
+    """This process's peak resident memory (VmHWM: reset at exec, unlike ru_maxrss)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def warm(_: int) -> int:
+    import moeflow.tasks.stages  # noqa: F401  (a worker's start-up is not timed)
+
+    time.sleep(1.0)
+    return os.getpid()
+
+
+def part(spec: dict) -> dict:
+    """One part (or the join) of a stage in a pool worker: seconds, and the worker's peak RSS so far."""
+    from moeflow.lineage.artifacts import Manifest
+    from moeflow.tasks.stages import materialize
+
+    cfg = _config(Path(spec["store"]), spec["shards"])
+    inputs = {k: Manifest.read(Path(v)) for k, v in spec["inputs"].items()}
+    prior = {k: [Manifest.read(Path(p)) for p in v] for k, v in spec["prior"].items()} if spec["prior"] else None
+    t0 = time.perf_counter()
+    where = tuple(spec["part"]) if spec["part"] else None
+    m = materialize(spec["stage"], cfg, inputs, force=True, part=where, prior=prior)
+    return {"seconds": time.perf_counter() - t0, "rss_mb": _hwm_mb(), "path": m.path}
+
+
+def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str]) -> dict:
+    """Every phase's parts on `workers` warm processes, then the join: wall seconds, peak worker RSS."""
+    from moeflow.tasks.stages import STAGES
+
+    cfg = _config(store, shards)
+    prior: dict[str, list[str]] = {}
+    base = {"stage": stage, "store": str(store), "shards": shards, "inputs": inputs}
+    rss = 0.0
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(warm, range(workers)))
+        t0 = time.perf_counter()
+        for phase in STAGES[stage].phases:
+            n = phase.parts(cfg)
+            specs = [{**base, "part": [phase.name, r, n], "prior": dict(prior)} for r in range(n)]
+            got = list(pool.map(part, specs))
+            rss = max(rss, *(g["rss_mb"] for g in got))
+            prior[phase.name] = [g["path"] for g in got]
+        joined = pool.submit(part, {**base, "part": None, "prior": prior}).result()
+        wall = time.perf_counter() - t0
+    return {"wall": wall, "rss_mb": max(rss, joined["rss_mb"]), "join_s": joined["seconds"], "path": joined["path"]}
+
+
+def bare(kind: str, docs: Path, work: Path) -> dict:
+    """The bare library doing the stage's work, in this process; start-up is not timed."""
+    import pyarrow.parquet as pq
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import minhash as dtm
+    from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.writers import JsonlWriter, ParquetWriter
+
+    from moeflow import configs
+    from moeflow.configs import TokenizerConfig
+    from moeflow.ops.logs import route_loguru
+    from moeflow.tokenize import tokenizer
+
+    route_loguru("WARNING")
+    cfg = configs.load("tiny")
+    if kind == "tokenize":
+        (work / "tok").mkdir()
+        tokenizer.build(TokenizerConfig(kind="gpt2"), docs, work / "tok")
+        tok = tokenizer.load(work / "tok")
+    t0 = time.perf_counter()
+    removed: list[str] = []
+    if kind == "filter":
+        LocalPipelineExecutor([ParquetReader(str(docs)), GopherRepetitionFilter(**_repetition(cfg.filter)),
+                               GopherQualityFilter(**cfg.filter.gopher_quality), ParquetWriter(str(work / "kept"))],
+                              tasks=1, workers=1, logging_dir=str(work / "logs")).run()
+    elif kind == "tokenize":  # the texts read a row group at a time, as the stage reads them
+        f = pq.ParquetFile(docs / "docs.parquet")
+        for g in range(f.num_row_groups):
+            tok.encode_batch(f.read_row_group(g, columns=["text"]).column("text").to_pylist(),
+                             add_special_tokens=False)
+    elif kind == "dedup":
+        d = cfg.dedup
+        mc = dtm.MinhashConfig(n_grams=d.ngram, num_buckets=d.bands, hashes_per_bucket=d.rows)
+        steps = [[ParquetReader(str(docs)), dtm.MinhashDedupSignature(output_folder=str(work / "sigs"), config=mc)],
+                 [dtm.MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "b"), config=mc)],
+                 [dtm.MinhashDedupCluster(input_folder=str(work / "b"), output_folder=str(work / "ids"), config=mc)],
+                 [ParquetReader(str(docs)), dtm.MinhashDedupFilter(input_folder=str(work / "ids"),
+                                                                   exclusion_writer=JsonlWriter(str(work / "rm"))),
+                  JsonlWriter(str(work / "kept"))]]
+        for i, pipeline in enumerate(steps):  # the bucket step runs one task per band, as datatrove requires
+            LocalPipelineExecutor(pipeline, tasks=d.bands if i == 1 else 1, workers=1,
+                                  logging_dir=str(work / f"logs{i}")).run()
+        removed = _jsonl_ids(work / "rm")
+    return {"seconds": time.perf_counter() - t0, "rss_mb": _hwm_mb(), "removed": removed}
+
+
+def _repetition(f) -> dict:
+    keys = ("dup_line_frac", "dup_para_frac", "dup_line_char_frac", "dup_para_char_frac", "top_n_grams",
+            "dup_n_grams")
+    return {k: getattr(f, k) for k in keys}
+
+
+def _jsonl_ids(folder: Path) -> list[str]:
+    import gzip
+
+    out = []
+    for p in sorted(folder.rglob("*.jsonl.gz")):
+        with gzip.open(p, "rt") as f:
+            out += [json.loads(line)["id"] for line in f]
+    return out
+
+
+def quality(truth: dict[str, str], rep_of: dict[str, str], docs: Path) -> dict:
+    """Planted pairs put in one cluster (recall); of the pairs reported (document, its representative), the
+    share planted, or in one planted group, or at least 0.7 Jaccard on word 5-grams by exact count (a
+    near-duplicate already in the sources) (precision)."""
+    group = {}
+    for copy, orig in truth.items():
+        group[copy] = group[orig] = orig
+    found = sum(1 for c, o in truth.items() if rep_of.get(c, c) == rep_of.get(o, o))
+    pairs = [(d, r) for d, r in rep_of.items() if d != r]
+    unplanted = [(d, r) for d, r in pairs if not (d in group and group.get(r) == group[d])]
+    texts = _texts(docs, {x for p in unplanted for x in p})
+    natural = sum(1 for d, r in unplanted if _jaccard(texts[d], texts[r]) >= 0.7)
+    return {"recall": round(found / max(1, len(truth)), 4),
+            "precision": round((len(pairs) - len(unplanted) + natural) / max(1, len(pairs)), 4),
+            "planted": len(truth), "reported_pairs": len(pairs), "unplanted_natural_pairs": natural}
+
+
+def _texts(docs: Path, ids: set[str]) -> dict[str, str]:
+    from moeflow.documents import iter_docs
+
+    return {d["id"]: d["text"] for d in iter_docs(docs, columns=["id", "text"]) if d["id"] in ids}
+
+
+def _jaccard(a: str, b: str) -> float:
+    from moeflow.dedup.contamination import window_hashes, words
+
+    sa, sb = set(window_hashes(words(a), 5).tolist()), set(window_hashes(words(b), 5).tolist())
+    return len(sa & sb) / max(1, len(sa | sb))
+
+
+def moeflow_reps(dedup_dir: Path) -> dict[str, str]:
+    from moeflow.lineage.ledger import read
+
+    out = {}
+    for r in read(dedup_dir).to_pylist():
+        if r["fate"] == "duplicate":
+            out[r["doc_id"]] = r["detail"] if r["reason"] == "exact" else json.loads(r["detail"])["of"]
+    return out
+
+
+def datatrove_quality(removed: list[str], truth: dict[str, str]) -> dict:
+    """datatrove writes the removed ids, not their clusters: a planted pair counts as found when either of
+    its documents is removed; removed documents outside the planted pairs are counted, not judged."""
+    gone = set(removed)
+    planted = set(truth) | set(truth.values())
+    found = sum(1 for c, o in truth.items() if c in gone or o in gone)
+    return {"recall": round(found / max(1, len(truth)), 4), "removed": len(gone),
+            "removed_unplanted": len(gone - planted)}
+
+
+def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
+    from moeflow.lineage.artifacts import Store
+    from moeflow.tasks.stages import materialize
+
+    corpus = build_corpus(work / f"corpus{scale}", base, scale)
+    store = Store(work / f"store{scale}")
+    tmp = store.staging("corpus")
+    (tmp / "docs.parquet").write_bytes((work / f"corpus{scale}" / "docs.parquet").read_bytes())
+    n = corpus["documents"]
+    docs = store.commit("corpus", f"x{scale}", tmp, {"documents_out": n},
+                        {"stage": "corpus", "config": {}, "finished_at": "t"})
+    cfg = _config(store.root, scale)
+    index = materialize("benchmarks", cfg, {})
+    tok = materialize("tokenizer", cfg, {"docs": docs})
+    inputs = {"filter": {"docs": docs.path}, "dedup": {"docs": docs.path},
+              "decontaminate": {"docs": docs.path, "index": index.path},
+              "tokenize": {"docs": docs.path, "tokenizer": tok.path}}
+    out: dict = {"documents": n, "mb": round(sum(len(d["text"]) for d in base) * scale / 1e6, 1)}
+    for stage in STAGES:
+        for workers in (1, 2):
+            runs = [run_stage(stage, store.root, scale, workers, inputs[stage]) for _ in range(args.repeats)]
+            best = min(runs, key=lambda r: r["wall"])
+            out[f"{stage}_w{workers}"] = {"docs_per_s_core": round(n / best["wall"] / workers, 1),
+                                          "wall_s": round(best["wall"], 2), "join_s": round(best["join_s"], 2),
+                                          "rss_mb": round(best["rss_mb"])}
+            print(f"{scale:>2}x {stage:14s} workers {workers}: {out[f'{stage}_w{workers}']}", flush=True)
+            if stage == "dedup" and workers == 1:
+                truth, reps = corpus["truth"], moeflow_reps(Path(best["path"]))
+                out["dedup_quality"] = quality(truth, reps, work / f"corpus{scale}")
+                print(f"{scale:>2}x dedup quality: {out['dedup_quality']}", flush=True)
+    if scale in (args.scales[0], args.scales[-1]):
+        for kind in ("filter", "dedup", "tokenize"):
+            got = min((_bare(kind, work / f"corpus{scale}") for _ in range(args.repeats)), key=lambda r: r["seconds"])
+            out[f"bare_{kind}"] = {"docs_per_s_core": round(n / got["seconds"], 1), "rss_mb": round(got["rss_mb"])}
+            if kind == "dedup":
+                out["bare_dedup_quality"] = datatrove_quality(got["removed"], corpus["truth"])
+            print(f"{scale:>2}x bare {kind:9s}: {out[f'bare_{kind}']}", flush=True)
+    return out
+
+
+def _bare(kind: str, docs: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run([sys.executable, __file__, "--bare", kind, str(docs), tmp], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"bare {kind} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def summary(results: dict[int, dict], scales: list[int]) -> dict:
+    lo, hi = results[scales[0]], results[scales[-1]]
+    fig: dict = {"scales": scales, "documents": {s: r["documents"] for s, r in results.items()}}
+    for stage in STAGES:
+        one, top = lo[f"{stage}_w1"], hi[f"{stage}_w1"]
+        fig[f"{stage}_rss_ratio"] = round(top["rss_mb"] / one["rss_mb"], 3)
+        fig[f"{stage}_throughput_ratio"] = round(top["docs_per_s_core"] / one["docs_per_s_core"], 3)
+        fig[f"{stage}_two_workers_ratio"] = round(2 * hi[f"{stage}_w2"]["docs_per_s_core"] / top["docs_per_s_core"], 3)
+        fig[f"{stage}_join_share"] = round(top["join_s"] / top["wall_s"], 3)
+        if f"bare_{stage}" in hi:
+            fig[f"{stage}_vs_bare_ratio"] = round(top["docs_per_s_core"] / hi[f"bare_{stage}"]["docs_per_s_core"], 3)
+    fig.update({f"dedup_{k}": v for k, v in hi["dedup_quality"].items()})
+    fig.update({f"datatrove_dedup_{k}": v for k, v in hi["bare_dedup_quality"].items()})
+    return fig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=int, default=300, help="base documents (1x; default 300)")
+    ap.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16], help="scales (default 1 4 16)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per figure, the fastest counts (default 1)")
+    ap.add_argument("--bare", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare:
+        print(json.dumps(bare(args.bare[0], Path(args.bare[1]), Path(args.bare[2]))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        base = base_docs(args.base, Path(tmp))
+        results = {s: measure_scale(s, base, Path(tmp), args) for s in args.scales}
+    print(json.dumps({"per_scale": results, **summary(results, args.scales)}))
+
+
+if __name__ == "__main__":
+    main()
