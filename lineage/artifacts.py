@@ -46,6 +46,17 @@ def file_xxh3(path: Path) -> str:
         return hashlib.file_digest(f, xxhash.xxh3_64).hexdigest()
 
 
+_SEEN: dict[tuple, str] = {}  # (path, inode, size, mtime) -> the xxh3 this process read
+
+
+def _checksum(path: Path) -> str:
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _SEEN:
+        _SEEN[key] = file_xxh3(path)
+    return _SEEN[key]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What an arrow of the DAG carries: where an artifact is and what it holds, never the data."""
@@ -74,13 +85,14 @@ class Manifest:
         return cls(**data)
 
     def verify(self) -> None:
-        """Check every file against its xxh3 in the manifest."""
+        """Check every file against its xxh3 in the manifest (once per process while the file is unchanged:
+        the parts of a sharded stage that a worker runs read the same input)."""
         for rel, meta in self.files.items():
             p = self.dir / rel
-            if not p.exists() or p.stat().st_size != meta["bytes"] or file_xxh3(p) != meta["xxh3"]:
+            if not p.exists() or p.stat().st_size != meta["bytes"] or _checksum(p) != meta["xxh3"]:
                 raise ArtifactError(
                     f"{p} is missing or does not match its checksum in {self.dir / MANIFEST}; "
-                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage.removesuffix('.shard')}`"
+                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage.split('.')[0]}`"
                 )
 
 

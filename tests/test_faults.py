@@ -204,7 +204,7 @@ def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_pat
                     data = data[: len(data) // 2]
                 victim.write_bytes(bytes(data))
                 with pytest.raises(
-                    ArtifactError, match=rf"{victim.name}.*--rerun {stage.removesuffix('.shard')}"
+                    ArtifactError, match=rf"{victim.name}.*--rerun {stage.split('.')[0]}"
                 ):
                     Manifest.read(copy).verify()
                 caught += 1
@@ -306,9 +306,9 @@ class _MemoryCap:
 
 @pytest.mark.chaos
 def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_server, smoke_data, tmp_path):
-    """2 GB of JSONL (1,000 distinct ~20 KB documents and their copies) through every data stage to `mix`,
-    with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none can be made, the
-    largest process's peak RSS is held to the same bound)."""
+    """2 GB of JSONL (100,000 distinct ~2 KB documents and their copies) through every data stage to `mix`,
+    sharded in two, with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none
+    can be made, the largest process's peak RSS is held to the same bound)."""
     import resource
 
     from helpers import write_large_jsonl
@@ -316,7 +316,8 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     limit = 1536 << 20
     size = int(os.environ.get("MOEFLOW_BIG_SOURCE_BYTES", 2_000_000_000))
     source = tmp_path / "big.jsonl"
-    lines = write_large_jsonl(source, size)
+    unique = int(os.environ.get("MOEFLOW_BIG_SOURCE_DOCS", 100_000))
+    lines = write_large_jsonl(source, size, unique=unique, words=300)
     assert source.stat().st_size > limit
     store = tmp_path / "store"
     config = write_config(
@@ -332,8 +333,9 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
                 "license": "cc0",
             }
         ],
-        filter={"steps": ["length"], "overrides": {}, "shards": 2},
+        filter={"steps": ["length"], "overrides": {}},
         mix={"weights": {"synthetic": 1.0}, "phases": []},
+        execution={"shards": 2},
     )
     cap = _MemoryCap(limit)
     try:
@@ -347,7 +349,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
             cap.remove()
     stats = {
         st: json.loads(p.read_text())["stats"]
-        for st in ("ingest", "filter", "dedup", "mix")
+        for st in ("ingest", "filter", "dedup", "decontaminate", "tokenize", "mix")
         for p in (store / st).glob(f"{st}-*/lineage.json")
     }
     assert (
@@ -355,5 +357,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     )  # every line accounted for
     assert stats["filter"]["documents_in"] == lines
     assert stats["dedup"]["documents_in"] == stats["filter"]["documents_out"]
-    assert stats["dedup"]["documents_out"] == 1000 and stats["dedup"]["fates"]["duplicate"] == lines - 1000
+    assert stats["dedup"]["documents_out"] == unique and stats["dedup"]["fates"]["duplicate"] == lines - unique
+    assert stats["decontaminate"]["documents_in"] == unique
+    assert stats["tokenize"]["documents"] == stats["decontaminate"]["documents_out"]
     assert stats["mix"]["train_tokens"] > 0
