@@ -288,7 +288,7 @@ def merge(cfg: DecontamConfig, prior: dict[str, list[Path]], out: Path) -> dict:
 def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
         part: tuple[int, int] = (0, 1)) -> dict:
     index = Index(index_dir)
-    ledger = Ledger("decontaminate")
+    ledger = Ledger("decontaminate", out)
     per_bench: dict[str, dict] = {}
     n_in = 0
     with DocWriter(out) as writer:
@@ -322,7 +322,7 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
                 stats["documents_dropped"] += 1
                 stats["chars_removed"] += len(row["text"])
         n_out = writer.count
-    ledger.write(out)
+    ledger.write()
     return {**ledger.check(n_in, n_out), "ngram": cfg.ngram, "action": cfg.action,
             "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
             "per_benchmark": dict(sorted(per_bench.items()))}

@@ -73,7 +73,7 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
     start = shard_rows(count_docs(docs_dir), part).start
     perms = minhash.permutations(cfg.bands * cfg.rows, cfg.seed) if cfg.minhash else None
     hashes, ids = [], []
-    texts: dict[int, tuple[str, np.ndarray | None]] = {}  # hash -> (smallest id, signature)
+    texts: dict[int, tuple[str, bytes]] = {}  # hash -> (smallest id, signature's bytes)
     rows = iter_docs(docs_dir, columns=["id", "text"], shard=part)
     for row in tqdm(rows, total=count_docs(docs_dir, part), desc=f"dedup sign {part[0]}/{part[1]}",
                     unit="doc", mininterval=5):
@@ -82,7 +82,8 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
         hashes.append(h)
         ids.append(row["id"])
         if h not in texts:
-            texts[h] = (row["id"], minhash.signature(norm, cfg.ngram, perms) if perms is not None else None)
+            sig = minhash.signature(norm, cfg.ngram, perms).tobytes() if perms is not None else b""
+            texts[h] = (row["id"], sig)
         elif row["id"] < texts[h][0]:
             texts[h] = (row["id"], texts[h][1])
     exact = pa.table({"hash": pa.array(hashes, pa.uint64()), "id": pa.array(ids, pa.string()),
@@ -97,7 +98,8 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
 def _write_signatures(cfg: DedupConfig, texts: dict, out: Path) -> None:
     """`sigs.arrow`: (hash, id, signature) sorted by hash; `bands-*.arrow`: one row per band of each text."""
     order = sorted(texts)
-    sigs = np.stack([texts[h][1] for h in order]) if order else np.empty((0, cfg.bands * cfg.rows), np.uint64)
+    width = cfg.bands * cfg.rows
+    sigs = np.frombuffer(b"".join(texts[h][1] for h in order), np.uint64).reshape(len(order), width)
     ids = pa.array([texts[h][0] for h in order], pa.string())
     flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), cfg.bands * cfg.rows)
     _write(out / "sigs.arrow", pa.table({"hash": pa.array(order, pa.uint64()), "id": ids, "sig": flat}),
@@ -223,7 +225,7 @@ def write_shard(cfg: DedupConfig, docs_dir: Path, pair_dirs: list[Path], near_di
     near_t = _read(near_dir / "near.arrow")
     near = dict(zip(near_t.column("hash").to_pylist(), zip(near_t.column("rep").to_pylist(),
                                                            near_t.column("similarity").to_pylist())))
-    ledger = Ledger("dedup")
+    ledger = Ledger("dedup", out)
     with DocWriter(out) as writer:
         for pos, row in zip(rows, iter_docs(docs_dir, shard=part)):
             if pos in exact:
@@ -236,7 +238,7 @@ def write_shard(cfg: DedupConfig, docs_dir: Path, pair_dirs: list[Path], near_di
                 writer.write(row)
                 ledger.kept(row["id"])
         n_out = writer.count
-    ledger.write(out)
+    ledger.write()
     return ledger.check(len(rows), n_out)
 
 

@@ -108,7 +108,7 @@ def judge(filters: list[tuple[str, Check]], doc: Document) -> tuple[bool, str]:
 def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (0, 1)) -> dict:
     """Filter one record shard (`rank` of `world_size`) of the documents in `docs_dir` into `out`."""
     built: dict[tuple[str, str], list] = {}  # (domain, source) -> filters with that pair's overrides
-    ledger = Ledger("filter")
+    ledger = Ledger("filter", out)
     by_source: dict[str, Counter] = {}
     n_in = 0
     rank, world = shard
@@ -141,7 +141,7 @@ def run(cfg: FilterConfig, docs_dir: Path, out: Path, shard: tuple[int, int] = (
             counts["kept"] += 1
             writer.write(row)
         n_out = writer.count
-    ledger.write(out)
+    ledger.write()
     return {
         **ledger.check(n_in, n_out),
         "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())},

@@ -380,7 +380,7 @@ def stage(sources: tuple[SourceConfig, ...], inputs: dict, out: Path) -> dict:
 
 def run(sources: list[ResolvedSource], out: Path) -> dict:
     """Write `docs.parquet` and `ledger.parquet` into `out`; return stats (per source and fate)."""
-    ledger = Ledger("ingest")
+    ledger = Ledger("ingest", out)
     per_source: dict[str, dict] = {}
     seen: set[str] = set()
     n_in = 0
@@ -428,5 +428,5 @@ def run(sources: list[ResolvedSource], out: Path) -> dict:
                 stats["kept"] += 1
                 stats["bytes"] += len(text.encode("utf-8"))
         n_out = writer.count
-    ledger.write(out)
+    ledger.write()
     return {**ledger.check(n_in, n_out), "sources": per_source}

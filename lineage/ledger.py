@@ -29,9 +29,16 @@ class ConservationError(RuntimeError):
 
 
 class Ledger:
-    def __init__(self, stage: str):
+    """A stage's ledger, written to `folder` a row group at a time as documents are accounted for: memory
+    holds one group, the counts, and 8 bytes a document (the ids' hashes, for the uniqueness check)."""
+
+    def __init__(self, stage: str, folder: Path):
         self.stage = stage
+        self.path = Path(folder) / LEDGER
         self.rows: dict[str, list] = {name: [] for name in SCHEMA.names}
+        self.fates: Counter = Counter()
+        self.hashes: list[np.ndarray] = []
+        self.writer: pq.ParquetWriter | None = None
 
     def add(self, doc_id: str, fate: str, reason: str = "", detail: str = "") -> None:
         if fate not in FATES:
@@ -40,47 +47,46 @@ class Ledger:
         self.rows["fate"].append(fate)
         self.rows["reason"].append(reason)
         self.rows["detail"].append(detail)
+        self.fates[fate] += 1
+        if reason:
+            self.fates[f"{fate}:{reason}"] += 1
+        if len(self.rows["doc_id"]) == ROWS_PER_GROUP:
+            self._flush()
 
     def kept(self, doc_id: str) -> None:
         self.add(doc_id, "kept")
 
-    def __len__(self) -> int:
-        return len(self.rows["doc_id"])
+    def _flush(self) -> None:
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+        ids = self.rows["doc_id"]
+        if ids or not self.hashes:  # an empty ledger: one empty group
+            self.writer.write_table(pa.table(self.rows, schema=SCHEMA), row_group_size=ROWS_PER_GROUP)
+        self.hashes.append(np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64, len(ids)))
+        self.rows = {name: [] for name in SCHEMA.names}
 
-    def counts(self) -> dict[str, int]:
-        """Counts per fate, and per `fate:reason` for every fate that has reasons."""
-        out = Counter(self.rows["fate"])
-        for fate, reason in zip(self.rows["fate"], self.rows["reason"]):
-            if reason:
-                out[f"{fate}:{reason}"] += 1
-        return dict(sorted(out.items()))
+    def write(self) -> Path:
+        """Write the last rows and close the file."""
+        self._flush()
+        self.writer.close()
+        return self.path
 
     def check(self, n_inputs: int, n_outputs: int) -> dict:
-        """Enforce conservation; return the stats block that lineage records."""
-        fates = Counter(self.rows["fate"])
-        total = sum(fates.values())
+        """Enforce conservation on the written ledger; return the stats block that lineage records."""
+        total = sum(self.fates[f] for f in FATES)
         if total != n_inputs:
             raise ConservationError(
                 f"stage {self.stage}: {n_inputs} input documents but the ledger accounts for {total} "
-                f"({dict(fates)})"
+                f"({ {f: self.fates[f] for f in FATES if self.fates[f]} })"
             )
-        if fates.get("kept", 0) != n_outputs:
+        if self.fates["kept"] != n_outputs:
             raise ConservationError(
-                f"stage {self.stage}: ledger keeps {fates.get('kept', 0)} documents but the output holds "
+                f"stage {self.stage}: ledger keeps {self.fates['kept']} documents but the output holds "
                 f"{n_outputs}"
             )
-        dup = Counter(self.rows["doc_id"]).most_common(1)
-        if dup and dup[0][1] > 1:
-            raise ConservationError(
-                f"stage {self.stage}: document id {dup[0][0]!r} appears {dup[0][1]} times in the ledger"
-            )
-        return {"documents_in": n_inputs, "documents_out": n_outputs, "fates": self.counts()}
-
-    def write(self, folder: Path) -> Path:
-        path = Path(folder) / LEDGER
-        table = pa.table(self.rows, schema=SCHEMA)
-        pq.write_table(table, path, compression="zstd", row_group_size=ROWS_PER_GROUP)
-        return path
+        _unique(self.hashes, [self.path.parent], f"stage {self.stage}: document id {{!r}} appears twice "
+                "in the ledger")
+        return {"documents_in": n_inputs, "documents_out": n_outputs, "fates": dict(sorted(self.fates.items()))}
 
 
 def concat(parts: list[Path], out: Path) -> int:
@@ -100,11 +106,7 @@ def concat(parts: list[Path], out: Path) -> int:
         rest = pa.concat_tables(pending or [SCHEMA.empty_table()])
         if rest.num_rows or not any(h.size for h in hashes):  # an empty ledger: one empty group, as `write`
             writer.write_table(rest, row_group_size=ROWS_PER_GROUP)
-    joined = np.sort(np.concatenate(hashes)) if hashes else np.empty(0, np.uint64)
-    twice = joined[1:][joined[1:] == joined[:-1]]
-    if twice.size:
-        _name_duplicate(parts, set(twice.tolist()))
-    return int(joined.size)
+    return _unique(hashes, parts, "document id {!r} appears in more than one shard's ledger")
 
 
 def _write_groups(writer: pq.ParquetWriter, table: pa.Table) -> pa.Table:
@@ -114,14 +116,19 @@ def _write_groups(writer: pq.ParquetWriter, table: pa.Table) -> pa.Table:
     return table.slice(whole)
 
 
-def _name_duplicate(parts: list[Path], suspects: set[int]) -> None:
+def _unique(hashes: list[np.ndarray], folders: list[Path], message: str) -> int:
+    """Fail with `message` (naming the id) when an id is in the ledgers of `folders` twice; returns the rows.
+    Ids are compared by their sorted 64-bit hashes; a hash seen twice is looked up to tell a collision."""
+    joined = np.sort(np.concatenate(hashes)) if hashes else np.empty(0, np.uint64)
+    suspects = set(joined[1:][joined[1:] == joined[:-1]].tolist())
     seen: set[str] = set()
-    for part in parts:
-        for doc_id in read(part).column("doc_id").to_pylist():
+    for folder in folders if suspects else []:
+        for doc_id in read(folder).column("doc_id").to_pylist():
             if xxhash.xxh3_64_intdigest(doc_id) in suspects:
                 if doc_id in seen:
-                    raise ConservationError(f"document id {doc_id!r} appears in more than one shard's ledger")
+                    raise ConservationError(message.format(doc_id))
                 seen.add(doc_id)
+    return int(joined.size)
 
 
 def read(folder: Path) -> pa.Table:

@@ -14,6 +14,7 @@ distributed reduce), each part its own artifact, keyed by the parts it reads, th
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import logging
 import shutil
@@ -28,13 +29,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from moeflow import filters, ingest
-from moeflow.card import publish
 from moeflow.configs import RunConfig, TrainStageConfig
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.lineage.artifacts import Manifest, Store
 from moeflow.lineage.ledger import ConservationError
-from moeflow.moe import evaluate, ladder, launch
 from moeflow.sources import stage as sources
 from moeflow.tokenize import mix, tokenizer
 from moeflow.tokenize import store as token_store
@@ -48,6 +47,17 @@ class StoreFull(OSError):
 
     Nothing was published.
     """
+
+
+class Lazy:
+    """A stage body named `module:function`, imported when first called: the training, evaluation and card
+    bodies import torch and matplotlib, which a data stage's worker process should not hold (~250 MB)."""
+
+    def __init__(self, target: str):
+        self.__module__, self.name = target.split(":")
+
+    def __call__(self, *args, **kwargs):
+        return getattr(importlib.import_module(self.__module__), self.name)(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ STAGES: dict[str, Stage] = {
         # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
         # never takes a rung's mix for the target's)
         Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
-        Stage("rung", _train_config, launch.stage, _train_libs, resumable=True),
+        Stage("rung", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True),
         Stage(
             "ladder",
             lambda c: {
@@ -206,12 +216,13 @@ STAGES: dict[str, Stage] = {
                 "seed": c.seed,
                 "phases": c.phases(),
             },
-            ladder.stage,
+            Lazy("moeflow.moe.ladder:stage"),
             ("scipy", *TRAIN_LIBS),
         ),
-        Stage("train", _train_config, launch.stage, _train_libs, resumable=True),
-        Stage("evaluate", lambda c: c.evaluate, evaluate.stage, TRAIN_LIBS),
-        Stage("card", lambda c: {}, publish.stage, ("huggingface_hub", "matplotlib", "markdown")),
+        Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True),
+        Stage("evaluate", lambda c: c.evaluate, Lazy("moeflow.moe.evaluate:stage"), TRAIN_LIBS),
+        Stage("card", lambda c: {}, Lazy("moeflow.card.publish:stage"),
+              ("huggingface_hub", "matplotlib", "markdown")),
     )
 }
 

@@ -38,3 +38,37 @@ def test_a_lost_document_fails_the_next_stage_naming_both_counts(tmp_path, writt
     ):
         materialize("dedup", cfg, {"docs": docs})
     assert not list((tmp_path / "store" / "dedup").glob("dedup-*")), "nothing may be published"
+
+
+def test_the_ledger_streams_in_row_groups_and_still_names_a_repeated_id(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moeflow.lineage import ledger as ledgers
+
+    n = ledgers.ROWS_PER_GROUP + 4_465  # two groups: the first written while documents still arrive
+    led = ledgers.Ledger("filter", tmp_path)
+    for i in range(n):
+        led.add(f"doc{i}", "kept" if i % 3 else "dropped", "" if i % 3 else "length.too_short")
+    assert len(led.rows["doc_id"]) == n - ledgers.ROWS_PER_GROUP and led.path.stat().st_size > 10_000
+    led.write()
+    stats = led.check(n, n - len(range(0, n, 3)))
+    assert stats["fates"]["dropped:length.too_short"] == len(range(0, n, 3))
+    one_shot = tmp_path / "one"
+    one_shot.mkdir()
+    table = pa.table({"doc_id": [f"doc{i}" for i in range(n)],
+                      "fate": ["kept" if i % 3 else "dropped" for i in range(n)],
+                      "reason": ["" if i % 3 else "length.too_short" for i in range(n)], "detail": [""] * n},
+                     schema=ledgers.SCHEMA)
+    pq.write_table(table, one_shot / ledgers.LEDGER, compression="zstd", row_group_size=ledgers.ROWS_PER_GROUP)
+    assert led.path.read_bytes() == (one_shot / ledgers.LEDGER).read_bytes()
+
+    again = tmp_path / "again"
+    again.mkdir()
+    led = ledgers.Ledger("filter", again)
+    for i in range(n):
+        led.add(f"doc{i}", "kept")
+    led.add("doc7", "kept")  # across the group boundary from its first appearance
+    led.write()
+    with pytest.raises(ConservationError, match=r"stage filter: document id 'doc7' appears twice"):
+        led.check(n + 1, n + 1)

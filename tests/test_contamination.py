@@ -216,7 +216,6 @@ def test_shards_joined_equal_the_unsharded_stage(index_dir, tmp_path):
 def test_overlap_shards_joined_equal_the_unsharded_check(index_dir, tmp_path):
     """The overlap left in a token store, checked as 3 record shards: the same findings, in order."""
     from helpers import join_parts
-
     from moeflow.configs import TokenizerConfig
     from moeflow.tokenize import store, tokenizer
 

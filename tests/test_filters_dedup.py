@@ -286,3 +286,14 @@ def test_minhash_signature_of_a_long_document_is_the_same_in_blocks():
     shingles = np.unique(minhash.window_hashes(toks, 5))
     whole = minhash._mix(keys[:, None] ^ shingles[None, :]).min(axis=1)
     assert np.array_equal(minhash.signature(text, 5, keys), whole)
+
+
+def test_dedup_with_more_shards_than_documents(tmp_path):
+    src = _write(tmp_path / "in", [("b", PROSE), ("a", PROSE.upper()), ("c", PROSE + " Another sentence.")])
+    outs = []
+    for shards in (1, 5):  # three of the five record shards are empty
+        out = tmp_path / f"out{shards}"
+        out.mkdir()
+        stats = corpus.run(DedupConfig(partitions=3), src, out, shards=shards)
+        outs.append([(out / n).read_bytes() for n in ("docs.parquet", "ledger.parquet")])
+    assert outs[0] == outs[1] and stats["documents_in"] == 3 and stats["fates"]["duplicate:exact"] == 1
