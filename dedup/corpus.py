@@ -46,6 +46,7 @@ DUPS = pa.schema([("pos", pa.int64()), ("rep", pa.string())])
 EDGES = pa.schema([("a", pa.uint64()), ("a_id", pa.string()), ("b", pa.uint64()), ("b_id", pa.string())])
 NEAR = pa.schema([("hash", pa.uint64()), ("rep", pa.string()), ("similarity", pa.float64())])
 _ZSTD = pa.ipc.IpcWriteOptions(compression="zstd")
+BLOCK = 16_384  # texts whose signatures and band rows are written at once
 
 
 def normalise(text: str, lowercase: bool = True) -> str:
@@ -96,26 +97,39 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
 
 
 def _write_signatures(cfg: DedupConfig, texts: dict, out: Path) -> None:
-    """`sigs.arrow`: (hash, id, signature) sorted by hash; `bands-*.arrow`: one row per band of each text."""
+    """`sigs.arrow`: (hash, id, signature) sorted by hash; `bands-*.arrow`: one row per band of each text.
+    Written `BLOCK` texts at a time, so the part holds its texts' signatures once, not three times."""
     order = sorted(texts)
     width = cfg.bands * cfg.rows
-    sigs = np.frombuffer(b"".join(texts[h][1] for h in order), np.uint64).reshape(len(order), width)
-    ids = pa.array([texts[h][0] for h in order], pa.string())
-    flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), cfg.bands * cfg.rows)
-    _write(out / "sigs.arrow", pa.table({"hash": pa.array(order, pa.uint64()), "id": ids, "sig": flat}),
-           compress=False)
-    bands = np.empty((len(order), cfg.bands), np.uint64)
+    sig_schema = pa.schema(
+        [("hash", pa.uint64()), ("id", pa.string()), ("sig", pa.list_(pa.uint64(), width))])
+    bands = [pa.ipc.new_file(out / f"bands-{p:04d}.arrow", BANDS, options=_ZSTD)
+             for p in range(cfg.partitions)]
+    with pa.ipc.new_file(out / "sigs.arrow", sig_schema) as writer:
+        for i in range(0, len(order), BLOCK):
+            block = np.array(order[i:i + BLOCK], np.uint64)
+            sigs = np.frombuffer(b"".join(texts[h][1] for h in block.tolist()), np.uint64).reshape(-1, width)
+            ids = pa.array([texts[h][0] for h in block.tolist()], pa.string())
+            flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), width)
+            writer.write_table(pa.table({"hash": block, "id": ids, "sig": flat}, schema=sig_schema))
+            for p, t in enumerate(_partition(_band_rows(cfg, block, ids, sigs), "bucket", cfg.partitions)):
+                bands[p].write_table(t)
+    for w in bands:
+        w.close()
+
+
+def _band_rows(cfg: DedupConfig, hashes: np.ndarray, ids: pa.Array, sigs: np.ndarray) -> pa.Table:
+    """One row per (text, band): the band's bucket, a hash of its `rows` slots."""
+    buckets = np.empty((len(hashes), cfg.bands), np.uint64)
     for b in range(cfg.bands):
         block = np.ascontiguousarray(sigs[:, b * cfg.rows:(b + 1) * cfg.rows])
-        bands[:, b] = [xxhash.xxh3_64_intdigest(r.tobytes()) for r in block]
-    table = pa.table({
-        "band": pa.array(np.tile(np.arange(cfg.bands, dtype=np.uint16), len(order))),
-        "bucket": pa.array(bands.reshape(-1)),
-        "hash": pa.array(np.repeat(np.array(order, np.uint64), cfg.bands)),
-        "id": ids.take(pa.array(np.repeat(np.arange(len(order)), cfg.bands))),
+        buckets[:, b] = [xxhash.xxh3_64_intdigest(r.tobytes()) for r in block]
+    return pa.table({
+        "band": pa.array(np.tile(np.arange(cfg.bands, dtype=np.uint16), len(hashes))),
+        "bucket": pa.array(buckets.reshape(-1)),
+        "hash": pa.array(np.repeat(hashes, cfg.bands)),
+        "id": ids.take(pa.array(np.repeat(np.arange(len(hashes)), cfg.bands))),
     }, schema=BANDS)
-    for p, t in enumerate(_partition(table, "bucket", cfg.partitions)):
-        _write(out / f"bands-{p:04d}.arrow", t)
 
 
 def signatures(sign_dirs: list[Path], wanted: np.ndarray) -> dict[int, np.ndarray]:

@@ -12,7 +12,6 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
-from moeflow.moe import ladder as moe_ladder
 from moeflow.ops.logs import route_loguru
 from moeflow.tasks.pipeline import Pipeline
 
@@ -67,6 +66,8 @@ def dag(run, cfg: configs.RunConfig):
 def ladder(run, cfg, mixed, shards, tok):
     """The scaling ladder (a subflow): each rung a cached training task, on its own mix of the whole
     curriculum (`rung_mix`) or on a prefix of the target's mix; then the fit."""
+    from moeflow.moe import ladder as moe_ladder  # here: torch stays out of the data stages' workers
+
     rungs = {}
     for i, rung in enumerate(moe_ladder.plan(cfg, run.vocab(tok))):
         rung_cfg = cfg.model_copy(update={"model": rung["model"], "train": rung["train"]})

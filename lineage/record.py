@@ -35,19 +35,25 @@ def code_version() -> dict:
     return {"commit": commit, "dirty": dirty, "moeflow_version": __version__}
 
 
-@functools.lru_cache(maxsize=1)
 def host() -> dict:
-    import torch
+    """Where a stage ran. The GPU is named when the stage imported torch (training and evaluation): a data
+    stage's worker never imports it just to say it has none."""
+    torch = sys.modules.get("torch")
+    cuda = torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
+    return {**_machine(), "cuda": cuda, "ray_node": _ray_node(), "dask_worker": _dask_worker()}
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> dict:
+    import importlib.metadata
+    import os
 
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cpus": __import__("os").cpu_count(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "ray_node": _ray_node(),
-        "dask_worker": _dask_worker(),
+        "torch": importlib.metadata.version("torch"),
+        "cpus": os.cpu_count(),
     }
 
 

@@ -412,6 +412,7 @@ def _build(
                 "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "seconds": round(time.perf_counter() - t0, 2),
                 "stats": stats,
+                "host": record.host(),  # after the body: a training body imported torch; it names the GPU
             }
         )
         if part is not None:

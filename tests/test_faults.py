@@ -307,7 +307,7 @@ class _MemoryCap:
 @pytest.mark.chaos
 def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_server, smoke_data, tmp_path):
     """2 GB of JSONL (100,000 distinct ~2 KB documents and their copies) through every data stage to `mix`,
-    sharded in two, with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none
+    sharded in four, with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none
     can be made, the largest process's peak RSS is held to the same bound)."""
     import resource
 
@@ -335,7 +335,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
         ],
         filter={"steps": ["length"], "overrides": {}},
         mix={"weights": {"synthetic": 1.0}, "phases": []},
-        execution={"shards": 2},
+        execution={"shards": 4},  # two workers (the cores), each shard a quarter of the documents
     )
     cap = _MemoryCap(limit)
     try:

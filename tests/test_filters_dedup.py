@@ -248,9 +248,10 @@ def _planted(n_originals: int = 60, seed: int = 5):
     return [(ids[i], t) for i, t in enumerate(docs)], {ids[i]: k for i, k in truth.items()}
 
 
-def test_dedup_output_is_the_same_for_any_shards_and_partitions(tmp_path):
+def test_dedup_output_is_the_same_for_any_shards_and_partitions(tmp_path, monkeypatch):
     """Byte-identical docs and ledger whatever the shard and partition counts, and every planted copy
     found: its cluster is its original's, kept under the cluster's smallest id."""
+    monkeypatch.setattr(corpus, "BLOCK", 7)  # signatures written in many blocks
     docs, truth = _planted()
     src = _write(tmp_path / "in", docs)
     outputs = []
