@@ -46,7 +46,7 @@ DUPS = pa.schema([("pos", pa.int64()), ("rep", pa.string())])
 EDGES = pa.schema([("a", pa.uint64()), ("a_id", pa.string()), ("b", pa.uint64()), ("b_id", pa.string())])
 NEAR = pa.schema([("hash", pa.uint64()), ("rep", pa.string()), ("similarity", pa.float64())])
 _ZSTD = pa.ipc.IpcWriteOptions(compression="zstd")
-BLOCK = 16_384  # texts whose signatures and band rows are written at once
+BLOCK = 4096  # rows spilled, and texts whose signatures and band rows are written, at once
 
 
 def normalise(text: str, lowercase: bool = True) -> str:
@@ -54,8 +54,8 @@ def normalise(text: str, lowercase: bool = True) -> str:
     return text.lower() if lowercase else text
 
 
-def _write(path: Path, table: pa.Table, compress: bool = True) -> None:
-    with pa.ipc.new_file(path, table.schema, options=_ZSTD if compress else None) as w:
+def _write(path: Path, table: pa.Table) -> None:
+    with pa.ipc.new_file(path, table.schema, options=_ZSTD) as w:
         w.write_table(table, max_chunksize=65_536)
 
 
@@ -69,53 +69,109 @@ def _partition(table: pa.Table, column: str, n: int) -> list[pa.Table]:
     return [table.filter(pc.equal(which, p)) for p in range(n)]
 
 
+class _Spill:
+    """Rows appended in arrival order and written a block at a time to one IPC file per partition of
+    `column` (or to one file when `parts` is None): memory holds a block."""
+
+    def __init__(self, out: Path, name: str, schema: pa.Schema, column: str, parts: int | None,
+                 compress: bool = True):
+        files = [f"{name}-{p:04d}.arrow" for p in range(parts)] if parts else [f"{name}.arrow"]
+        opts = _ZSTD if compress else None
+        self.writers = [pa.ipc.new_file(out / f, schema, options=opts) for f in files]
+        self.schema, self.column, self.parts = schema, column, parts
+        self.rows: dict[str, list] = {k: [] for k in schema.names}
+
+    def add(self, *values) -> None:
+        for k, v in zip(self.schema.names, values):
+            self.rows[k].append(v)
+        if len(self.rows[self.column]) == BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        table = pa.table(self.rows, schema=self.schema)
+        for w, t in zip(self.writers, _partition(table, self.column, self.parts) if self.parts else [table]):
+            w.write_table(t)
+        self.rows = {k: [] for k in self.schema.names}
+
+    def close(self) -> None:
+        self.flush()
+        for w in self.writers:
+            w.close()
+
+
 def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> dict:
-    """Phase `sign` for record shard `part`: exact rows and (MinHash on) signatures and band rows."""
+    """Phase `sign` for record shard `part`: exact rows and (MinHash on) signatures and band rows.
+    Rows go to disk as they come; memory holds each distinct text's hash and smallest id."""
     start = shard_rows(count_docs(docs_dir), part).start
-    perms = minhash.permutations(cfg.bands * cfg.rows, cfg.seed) if cfg.minhash else None
-    hashes, ids = [], []
-    texts: dict[int, tuple[str, bytes]] = {}  # hash -> (smallest id, signature's bytes)
+    width = cfg.bands * cfg.rows
+    perms = minhash.permutations(width, cfg.seed) if cfg.minhash else None
+    exact = _Spill(out, "exact", EXACT, "hash", cfg.partitions)
+    raw_schema = pa.schema([("hash", pa.uint64()), ("sig", pa.binary(width * 8))])
+    raw = _Spill(out, ".unsorted", raw_schema, "hash", None, compress=False)
+    first: dict[int, str] = {}  # hash -> the smallest id of this part's documents with that text
     rows = iter_docs(docs_dir, columns=["id", "text"], shard=part)
-    for row in tqdm(rows, total=count_docs(docs_dir, part), desc=f"dedup sign {part[0]}/{part[1]}",
-                    unit="doc", mininterval=5):
+    n = 0
+    for pos, row in enumerate(tqdm(rows, total=count_docs(docs_dir, part), unit="doc", mininterval=5,
+                                   desc=f"dedup sign {part[0]}/{part[1]}"), start):
         norm = normalise(row["text"], cfg.lowercase)
         h = xxhash.xxh3_64_intdigest(norm.encode())
-        hashes.append(h)
-        ids.append(row["id"])
-        if h not in texts:
-            sig = minhash.signature(norm, cfg.ngram, perms).tobytes() if perms is not None else b""
-            texts[h] = (row["id"], sig)
-        elif row["id"] < texts[h][0]:
-            texts[h] = (row["id"], texts[h][1])
-    exact = pa.table({"hash": pa.array(hashes, pa.uint64()), "id": pa.array(ids, pa.string()),
-                      "pos": pa.array(np.arange(start, start + len(ids), dtype=np.int64))}, schema=EXACT)
-    for p, t in enumerate(_partition(exact, "hash", cfg.partitions)):
-        _write(out / f"exact-{p:04d}.arrow", t)
+        exact.add(h, row["id"], pos)
+        n += 1
+        if h not in first:
+            first[h] = row["id"]
+            if perms is not None:
+                raw.add(h, minhash.signature(norm, cfg.ngram, perms).tobytes())
+        elif row["id"] < first[h]:
+            first[h] = row["id"]
+    exact.close()
+    raw.close()
     if perms is not None:
-        _write_signatures(cfg, texts, out)
-    return {"documents": len(ids), "texts": len(texts)}
+        _write_signatures(cfg, first, out)
+    (out / ".unsorted.arrow").unlink()
+    return {"documents": n, "texts": len(first)}
 
 
-def _write_signatures(cfg: DedupConfig, texts: dict, out: Path) -> None:
-    """`sigs.arrow`: (hash, id, signature) sorted by hash; `bands-*.arrow`: one row per band of each text.
-    Written `BLOCK` texts at a time, so the part holds its texts' signatures once, not three times."""
-    order = sorted(texts)
+def _write_signatures(cfg: DedupConfig, first: dict[int, str], out: Path) -> None:
+    """`sigs.arrow`: (hash, id, signature) sorted by hash, from the unsorted spill (memory-mapped);
+    `bands-*.arrow`: one row per band of each text. A block of `BLOCK` texts at a time."""
     width = cfg.bands * cfg.rows
     sig_schema = pa.schema(
         [("hash", pa.uint64()), ("id", pa.string()), ("sig", pa.list_(pa.uint64(), width))])
     bands = [pa.ipc.new_file(out / f"bands-{p:04d}.arrow", BANDS, options=_ZSTD)
              for p in range(cfg.partitions)]
+    raw = _read(out / ".unsorted.arrow")
+    all_hashes = raw.column("hash").to_numpy()
+    order = np.argsort(all_hashes, kind="stable")
+    rows = _rows(raw.column("sig"), width)
     with pa.ipc.new_file(out / "sigs.arrow", sig_schema) as writer:
         for i in range(0, len(order), BLOCK):
-            block = np.array(order[i:i + BLOCK], np.uint64)
-            sigs = np.frombuffer(b"".join(texts[h][1] for h in block.tolist()), np.uint64).reshape(-1, width)
-            ids = pa.array([texts[h][0] for h in block.tolist()], pa.string())
+            at = order[i:i + BLOCK]
+            hashes, sigs = all_hashes[at], rows(at)
+            ids = pa.array([first[h] for h in hashes.tolist()], pa.string())
             flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), width)
-            writer.write_table(pa.table({"hash": block, "id": ids, "sig": flat}, schema=sig_schema))
-            for p, t in enumerate(_partition(_band_rows(cfg, block, ids, sigs), "bucket", cfg.partitions)):
+            writer.write_table(pa.table({"hash": hashes, "id": ids, "sig": flat}, schema=sig_schema))
+            for p, t in enumerate(_partition(_band_rows(cfg, hashes, ids, sigs), "bucket", cfg.partitions)):
                 bands[p].write_table(t)
     for w in bands:
         w.close()
+
+
+def _rows(column: pa.ChunkedArray, width: int):
+    """Gather rows of a memory-mapped fixed-size binary column of `width` uint64s by index, without
+    concatenating its chunks (Arrow's `take` would copy the whole column first)."""
+    views = [np.frombuffer(c.buffers()[1], np.uint64, count=len(c) * width, offset=c.offset * width * 8)
+             .reshape(-1, width) for c in column.chunks]
+    starts = np.cumsum([0] + [len(c) for c in column.chunks])
+
+    def gather(at: np.ndarray) -> np.ndarray:
+        chunk = np.searchsorted(starts, at, side="right") - 1
+        out = np.empty((len(at), width), np.uint64)
+        for c in np.unique(chunk).tolist():
+            sel = chunk == c
+            out[sel] = views[c][at[sel] - starts[c]]
+        return out
+
+    return gather
 
 
 def _band_rows(cfg: DedupConfig, hashes: np.ndarray, ids: pa.Array, sigs: np.ndarray) -> pa.Table:
