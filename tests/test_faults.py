@@ -336,6 +336,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
         filter={"steps": ["length"], "overrides": {}},
         mix={"weights": {"synthetic": 1.0}, "phases": []},
         execution={"shards": 4},  # two workers (the cores), each shard a quarter of the documents
+        dedup={"partitions": 16},  # each reduce task holds 1/16 of the band rows
     )
     cap = _MemoryCap(limit)
     try:
