@@ -157,9 +157,10 @@ def _write_signatures(cfg: DedupConfig, first: dict[int, str], out: Path) -> Non
 
 
 def _rows(column: pa.ChunkedArray, width: int):
-    """Gather rows of a memory-mapped fixed-size binary column of `width` uint64s by index, without
-    concatenating its chunks (Arrow's `take` would copy the whole column first)."""
-    views = [np.frombuffer(c.buffers()[1], np.uint64, count=len(c) * width, offset=c.offset * width * 8)
+    """Gather rows of a memory-mapped column of `width` uint64s (fixed-size lists, or fixed-size binary)
+    by index, without concatenating its chunks (Arrow's `take` would copy the whole column first)."""
+    views = [(c.flatten().to_numpy() if pa.types.is_fixed_size_list(c.type) else
+              np.frombuffer(c.buffers()[1], np.uint64, count=len(c) * width, offset=c.offset * width * 8))
              .reshape(-1, width) for c in column.chunks]
     starts = np.cumsum([0] + [len(c) for c in column.chunks])
 
@@ -197,10 +198,9 @@ def signatures(sign_dirs: list[Path], wanted: np.ndarray) -> dict[int, np.ndarra
         hashes = table.column("hash").to_numpy()
         at = np.minimum(np.searchsorted(hashes, wanted), max(len(hashes) - 1, 0))
         found = at[hashes[at] == wanted] if len(hashes) else at[:0]
-        rows = table.take(pa.array(found))
-        width = table.schema.field("sig").type.list_size
-        sig = rows.column("sig").combine_chunks().flatten().to_numpy().reshape(-1, width)
-        for h, i, s in zip(rows.column("hash").to_pylist(), rows.column("id").to_pylist(), sig):
+        sig = _rows(table.column("sig"), table.schema.field("sig").type.list_size)(found)
+        ids = table.column("id").take(pa.array(found)).to_pylist()
+        for h, i, s in zip(hashes[found].tolist(), ids, sig):
             if h not in best or i < best[h][0]:
                 best[h] = (i, s)
     return {h: s for h, (_, s) in best.items()}

@@ -373,7 +373,6 @@ def _lineage(stage: Stage, name: str, cfg: RunConfig, inputs: Inputs, store: Sto
             "libraries": parts["libraries"],
         },
         "prefect": record.prefect_context(),
-        "host": record.host(),
         "previous": _previous(store, name),
     }
 
