@@ -12,17 +12,20 @@ import glob
 import gzip
 import json
 import logging
+import tempfile
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 import zstandard
 
 from moeflow.configs import Format, RunConfig, SourceConfig
-from moeflow.documents import DocWriter
+from moeflow.documents import DocWriter, iter_docs, join
+from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import cache_dir, fetch
 
@@ -69,6 +72,7 @@ def resolve_source(src: SourceConfig) -> ResolvedSource | None:
     else:
         pattern = str(Path(src.path).expanduser())
     root = _glob_root(pattern)
+    root = root.parent if root.is_file() else root  # a single file: its name is in the ids
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     files = [
         f for f in files if not any(fnmatch.fnmatch(f.relative_to(root).as_posix(), x) for x in src.exclude)
@@ -108,6 +112,7 @@ def resolve_sources_list(sources) -> list[ResolvedSource]:
 
 
 CHUNK = 1 << 20
+SPAN_BYTES = 64 << 20  # a plain jsonl file larger than this is read by several shards, this much each
 # zlib.error: corrupt deflate data in a .gz; ArrowInvalid: a parquet file whose footer is unreadable
 READ_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile, pa.ArrowInvalid)
 
@@ -217,14 +222,16 @@ def _text(src: SourceConfig, value) -> str:
     return value
 
 
-def _records(rs: ResolvedSource) -> Iterator[tuple[str, Path, str | None, Quarantine | None]]:
-    """(doc id, file, text, quarantine) for every record of a source, bad ones included; files are streamed.
+def _records(rs: ResolvedSource, unit: Unit | None = None) -> Iterator[Record]:
+    """(doc id, file, text, quarantine) for every record of a source (or of one `Unit` of it), bad ones
+    included; files are streamed.
 
     A file that becomes unreadable part-way keeps the records read before the error, and the ledger counts
     what is left one row per record where the format can tell how many there are (all `unreadable_file`):
     - text: a file is one record, `<source>/<file>`.
-    - parquet: the footer gives the file's row count, so each row not read is a row `<base>#L<n>`. If the
-      footer itself is unreadable, one row `<base>` (the count is unknown).
+    - parquet: the footer gives each row group's row count, so each row a failing group leaves unread is a
+      row `<base>#L<n>`, and the next group is read. If the footer itself is unreadable, one row `<base>`
+      (the count is unknown).
     - jsonl (raw, .gz, .zst): every byte read or decoded before the error is used (a cut .gz gives all it
       can inflate before the cut, a cut .zst every block complete before it), so its whole lines are records
       as usual. The line the error cut is `<base>#L<n>`, its detail saying it was truncated. The bytes past
@@ -236,23 +243,23 @@ def _records(rs: ResolvedSource) -> Iterator[tuple[str, Path, str | None, Quaran
       error comes after its frame's or member's data was read: those records stay.
     """
     src = rs.config
+    unit = unit or Unit(0, (0, len(rs.files)))
     emitted = 0
-    for path in rs.files:
+    for path in rs.files[unit.files[0] : unit.files[1]]:
         base = f"{src.name}/{path.relative_to(rs.root).as_posix()}"
         if src.format == Format.text:
             yield _text_record(src, base, path)
             continue
-        rows = _parquet_rows(path) if src.format == Format.parquet else _jsonl_rows(_lines(_chunks(path)))
         read = 0
         try:
-            for line_no, row in rows:
+            for line_no, row in _rows(src, path, unit):
                 if src.max_docs and emitted >= src.max_docs:
                     return
                 emitted += 1
                 read += 1
                 yield _record(src, base, path, line_no, row)
         except (LineCut, *READ_ERRORS) as e:  # the records before the error are in; account for the rest
-            yield from _unread(src, base, path, read, e)
+            yield from _unread(base, path, read, e)
 
 
 def _text_record(src: SourceConfig, base: str, path: Path) -> Record:
@@ -269,14 +276,11 @@ def _text_record(src: SourceConfig, base: str, path: Path) -> Record:
         return base, path, None, q
 
 
-def _unread(src: SourceConfig, base: str, path: Path, read: int, e: Exception) -> Iterator[Record]:
-    """Ledger rows for what a read error left of a jsonl/parquet file, `read` records in (see `_records`)."""
+def _unread(base: str, path: Path, read: int, e: Exception) -> Iterator[Record]:
+    """Ledger rows for what a read error left of a jsonl file (or a parquet file whose footer cannot be
+    read), `read` records in (see `_records`)."""
     why = str(e) if isinstance(e, LineCut) else _why(e)
-    total = _parquet_total(path) if src.format == Format.parquet else None
-    if total is not None:  # the footer counts the rows, so each unread one is a row of its own
-        for n in range(read + 1, total + 1):
-            yield f"{base}#L{n}", path, None, Quarantine("unreadable_file", f"row {n} of {total}: {why}")
-    elif not read:
+    if not read:
         yield (
             base,
             path,
@@ -301,14 +305,6 @@ def _unread(src: SourceConfig, base: str, path: Path, read: int, e: Exception) -
         )
 
 
-def _parquet_total(path: Path) -> int | None:
-    """The row count a parquet file's footer records, or None when the footer cannot be read."""
-    try:
-        return pq.ParquetFile(path).metadata.num_rows
-    except READ_ERRORS:
-        return None
-
-
 def _record(
     src: SourceConfig, base: str, path: Path, line_no: int, row
 ) -> tuple[str, Path, str | None, Quarantine | None]:
@@ -325,20 +321,81 @@ def _record(
         return doc_id, path, None, q
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
-    n = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            n += 1
-            yield n, row
+def _parquet_rows(path: Path, groups: tuple[int, int] | None = None) -> Iterator[tuple[int, object]]:
+    """(row number in the file, row or Quarantine) for a parquet file, or for its row groups `[lo, hi)`,
+    read a group at a time: a group that fails part-way has its unread rows quarantined (the footer counts
+    them) and the next group is read, so what a shard keeps does not depend on where its range starts."""
+    f = pq.ParquetFile(path)
+    meta = f.metadata
+    counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    lo, hi = groups or (0, len(counts))
+    n = sum(counts[:lo])
+    for g in range(lo, hi):
+        stop = n + counts[g]
+        try:
+            for batch in f.iter_batches(batch_size=1024, row_groups=[g]):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, row
+        except READ_ERRORS as e:
+            for m in range(n + 1, stop + 1):
+                yield m, Quarantine("unreadable_file", f"row {m} of {meta.num_rows}: {_why(e)}")
+        n = stop
 
 
-def _jsonl_rows(lines: Iterator[bytes]) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object or Quarantine) per non-blank line; a line cut by a read error is
-    quarantined as truncated, then the `LineCut` goes on, carrying the number of the last line read."""
-    line_no = 0
+def _rows(src: SourceConfig, path: Path, unit: Unit) -> Iterator[tuple[int, object]]:
+    """(record number in the file, row or Quarantine) for the part of a jsonl or parquet file `unit` holds."""
+    if src.format == Format.parquet:
+        yield from _parquet_rows(path, unit.groups)
+    elif unit.span:
+        begin, before = _span_start(path, unit.span[0])
+        yield from _jsonl_rows(_lines(_span_chunks(path, begin, unit.span[1])), first=before + 1)
+    else:
+        yield from _jsonl_rows(_lines(_chunks(path)))
+
+
+def _span_start(path: Path, start: int) -> tuple[int, int]:
+    """Where the first line starting at or after byte `start` begins, and how many lines come before it
+    (read with unbuffered 1 MB reads: newlines are counted, nothing is parsed)."""
+    if start == 0:
+        return 0, 0
+    lines, pos = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while pos < start - 1:  # bytes [0, start - 1): their newlines
+            chunk = f.read(min(CHUNK, start - 1 - pos))
+            if not chunk:
+                return pos, lines
+            lines, pos = lines + chunk.count(b"\n"), pos + len(chunk)
+        while chunk := f.read(CHUNK):  # from byte start - 1 on: the end of the line it is in
+            cut = chunk.find(b"\n")
+            if cut >= 0:
+                return pos + cut + 1, lines + 1
+            pos += len(chunk)
+    return pos, lines
+
+
+def _span_chunks(path: Path, begin: int, stop: int) -> Iterator[bytes]:
+    """The bytes of the lines of a plain file that start in `[begin, stop)`, `begin` being a line start:
+    up to `stop`, then to the end of the line that `stop` falls in."""
+    with open(path, "rb", buffering=0) as f:
+        f.seek(begin)
+        pos, last = begin, b"\n"
+        while pos < stop and (chunk := f.read(min(CHUNK, stop - pos))):
+            pos, last = pos + len(chunk), chunk[-1:]
+            yield chunk
+        while last != b"\n" and pos >= stop and (chunk := f.read(CHUNK)):
+            cut = chunk.find(b"\n")
+            yield chunk if cut < 0 else chunk[: cut + 1]
+            last = b"" if cut < 0 else b"\n"
+
+
+def _jsonl_rows(lines: Iterator[bytes], first: int = 1) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object or Quarantine) per non-blank line, the first numbered `first`; a line
+    cut by a read error is quarantined as truncated, then the `LineCut` goes on, carrying the number of
+    the last line read."""
+    line_no = first - 1
     try:
-        for line_no, line in enumerate(lines, start=1):
+        for line_no, line in enumerate(lines, start=first):
             if line.strip():
                 yield line_no, _json_row(line_no, line)
     except LineCut as cut:
@@ -373,60 +430,197 @@ def _portable(path: Path) -> str:
         return str(path.resolve())
 
 
-def stage(sources: tuple[SourceConfig, ...], inputs: dict, out: Path) -> dict:
-    """The `ingest` stage's body: every configured source, resolved against the data cache."""
-    return run(resolve_sources_list(sources), out)
+@dataclass(frozen=True)
+class Unit:
+    """A piece of one source that a shard reads whole: files `[lo, hi)` of the source's sorted list, or of
+    one file its row groups `[lo, hi)` (parquet) or the lines that start in bytes `[lo, hi)` (plain jsonl);
+    `size` (bytes on disk, estimated for row groups) balances shards."""
+
+    source: int
+    files: tuple[int, int]
+    groups: tuple[int, int] | None = None
+    size: int = 0
+    span: tuple[int, int] | None = None
+
+    @property
+    def first(self) -> bool:
+        """Whether the unit holds its file's start (so the shard reading it counts the file)."""
+        return (self.groups or self.span or (0,))[0] == 0
+
+    def join(self, other: Unit) -> Unit | None:
+        """This unit and the next one of the same file as one, or None when they are not such."""
+        if (self.source, self.files) != (other.source, other.files):
+            return None
+        if self.groups and other.groups:
+            return replace(self, groups=(self.groups[0], other.groups[1]), size=self.size + other.size)
+        if self.span and other.span:
+            return replace(self, span=(self.span[0], other.span[1]), size=self.size + other.size)
+        return None
 
 
-def run(sources: list[ResolvedSource], out: Path) -> dict:
-    """Write `docs.parquet` and `ledger.parquet` into `out`; return stats (per source and fate)."""
+def units(sources: list[ResolvedSource]) -> list[Unit]:
+    """Every source cut into units, in corpus order: a file each, a parquet file's row groups each, a plain
+    jsonl file's `SPAN_BYTES` each, and a source with `max_docs` (jsonl, parquet) whole (its cap counts
+    records across files). A compressed file is one unit: it cannot be entered part-way."""
+    out = []
+    for s, rs in enumerate(sources):
+        sizes = [_size(f) for f in rs.files]
+        if rs.config.max_docs and rs.config.format != Format.text:
+            out.append(Unit(s, (0, len(rs.files)), None, sum(sizes)))
+            continue
+        for i, (path, size) in enumerate(zip(rs.files, sizes, strict=True)):
+            groups = _groups(path) if rs.config.format == Format.parquet else []
+            plain = rs.config.format == Format.jsonl and path.suffix not in (".gz", ".zst")
+            if len(groups) > 1:
+                total = sum(groups) or 1
+                out += [Unit(s, (i, i + 1), (g, g + 1), size * n // total) for g, n in enumerate(groups)]
+            elif plain and size > SPAN_BYTES:
+                cuts = [*range(0, size, SPAN_BYTES), size]
+                out += [Unit(s, (i, i + 1), size=hi - lo, span=(lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
+            else:
+                out.append(Unit(s, (i, i + 1), size=size))
+    return out
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _groups(path: Path) -> list[int]:
+    """A parquet file's rows per row group ([] when its footer cannot be read: the file is one unit)."""
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except READ_ERRORS:
+        return []
+    return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+
+def assign(plan: list[Unit], shard: tuple[int, int]) -> list[Unit]:
+    """The units of shard `rank` of `world_size`: a contiguous run of the plan, cut where the running size
+    passes each 1/world_size of the total (a unit goes where its middle falls), so shards joined in rank
+    order read the corpus in order; consecutive pieces of one file are read as one."""
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"shard rank {rank} is not in [0, {world})")
+    total, done, mine = sum(u.size for u in plan) or 1, 0, []
+    for u in plan:
+        owner = min(world - 1, (2 * done + u.size) * world // (2 * total))
+        done += u.size
+        if owner != rank:
+            continue
+        joined = mine[-1].join(u) if mine else None
+        if joined:
+            mine[-1] = joined
+        else:
+            mine.append(u)
+    return mine
+
+
+def _source_stats(rs: ResolvedSource) -> dict:
+    src = rs.config
+    return {"files": 0, "documents": 0, "kept": 0, "quarantined": 0, "bytes": 0, "version": rs.version,
+            "package": src.package, "license": src.license, "domain": src.domain}
+
+
+def shard(sources: tuple[SourceConfig, ...], inputs: dict, prior: dict, out: Path,
+          part: tuple[int, int]) -> dict:
+    """One shard of the `ingest` stage: its units (`assign`) of every configured source."""
+    resolved = resolve_sources_list(sources)
+    return read(resolved, assign(units(resolved), part), out)
+
+
+def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
+    """Write the documents and ledger of the units `mine` into `out`; return stats (per source and fate).
+    Ids are checked for repeats across the whole corpus by `merge`: here a repeated id stays as read."""
     ledger = Ledger("ingest", out)
     per_source: dict[str, dict] = {}
-    seen: set[str] = set()
     n_in = 0
     with DocWriter(out) as writer:
-        for rs in sources:
-            src = rs.config
-            stats = per_source.setdefault(
-                src.name,
-                {
-                    "files": len(rs.files),
-                    "documents": 0,
-                    "kept": 0,
-                    "quarantined": 0,
-                    "bytes": 0,
-                    "version": rs.version,
-                    "package": src.package,
-                    "license": src.license,
-                    "domain": src.domain,
-                },
-            )
-            for doc_id, path, text, q in _records(rs):
+        for unit in mine:
+            rs = sources[unit.source]
+            stats = per_source.setdefault(rs.config.name, _source_stats(rs))
+            if unit.first:  # a file is counted by the shard reading its start
+                stats["files"] += unit.files[1] - unit.files[0]
+            for doc_id, path, text, q in _records(rs, unit):
                 n_in += 1
                 stats["documents"] += 1
-                if q is None and doc_id in seen:
-                    q = Quarantine("duplicate_id", f"id {doc_id!r} already used in this source")
                 if q is not None:
-                    if doc_id in seen:  # keep ledger ids unique: a repeated id gets its position appended
-                        doc_id = f"{doc_id}@{n_in}"
-                    seen.add(doc_id)
-                    log.warning("source %r: %s (%s) quarantined: %s", src.name, path, doc_id, q)
+                    log.warning("source %r: %s (%s) quarantined: %s", rs.config.name, path, doc_id, q)
                     ledger.add(doc_id, "quarantined", q.reason, q.detail)
                     stats["quarantined"] += 1
                     continue
-                seen.add(doc_id)
-                writer.write(
-                    {
-                        "id": doc_id,
-                        "source": src.name,
-                        "domain": src.domain,
-                        "path": _portable(path),
-                        "text": text,
-                    }
-                )
+                writer.write({"id": doc_id, "source": rs.config.name, "domain": rs.config.domain,
+                              "path": _portable(path), "text": text})
                 ledger.kept(doc_id)
                 stats["kept"] += 1
                 stats["bytes"] += len(text.encode("utf-8"))
         n_out = writer.count
     ledger.write()
-    return {**ledger.check(n_in, n_out), "sources": per_source}
+    return {**ledger.check(n_in, n_out, unique=False), "sources": per_source}
+
+
+def merge(sources, prior: dict[str, list[Path]], out: Path) -> dict:
+    """Join the shards in rank order. An id read twice (a repeated `id_field` value) keeps its first record
+    in corpus order: a later one is quarantined `duplicate_id` if it was kept, and its ledger id gets `@<n>`
+    appended (n: its place among all the records read), so ledger ids stay unique."""
+    parts = prior["shard"]
+    repeated = ledgers.repeated([ledgers.id_hashes(part) for part in parts])
+    per_source: dict[str, dict] = {}
+    for part in parts:
+        for name, s in json.loads((part / "manifest.json").read_text())["stats"]["sources"].items():
+            total = per_source.setdefault(name, s)
+            if total is not s:
+                for field in ("files", "documents", "kept", "quarantined", "bytes"):
+                    total[field] += s[field]
+    stats = _rejoin(parts, out, repeated, per_source) if repeated else join(parts, out, "ingest")
+    return {**stats, "sources": per_source, "shards": len(parts)}
+
+
+def _rejoin(parts: list[Path], out: Path, repeated: set[int], per_source: dict[str, dict]) -> dict:
+    """`join`, resolving the ids whose hashes are in `repeated` (see `merge`) one shard at a time."""
+    ledger, seen, n = Ledger("ingest", out), set(), 0
+    with DocWriter(out) as writer:
+        for part in parts:
+            docs = iter_docs(part)
+            rows = ledgers.read(part).to_pydict().values()
+            for doc_id, fate, reason, detail in zip(*rows, strict=True):
+                n += 1
+                doc = next(docs) if fate == "kept" else None
+                if xxhash.xxh3_64_intdigest(doc_id) in repeated:
+                    if doc_id in seen:
+                        if doc is not None:
+                            fate, reason = "quarantined", "duplicate_id"
+                            detail = f"id {doc_id!r} already used"
+                            log.warning("source %r: %s quarantined: %s", doc["source"], doc_id, detail)
+                            _unkeep(per_source[doc["source"]], doc)
+                            doc = None
+                        doc_id = f"{doc_id}@{n}"
+                    seen.add(doc_id)
+                ledger.add(doc_id, fate, reason, detail)
+                if doc is not None:
+                    writer.write(doc)
+        n_out = writer.count
+    ledger.write()
+    return ledger.check(n, n_out)
+
+
+def _unkeep(stats: dict, doc: dict) -> None:
+    stats["kept"] -= 1
+    stats["quarantined"] += 1
+    stats["bytes"] -= len(doc["text"].encode("utf-8"))
+
+
+def run(sources: list[ResolvedSource], out: Path, shards: int = 1) -> dict:
+    """The whole stage in one process (tests, benchmarks): every shard, then `merge`, into `out`."""
+    plan, parts = units(sources), []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".shards") as tmp:
+        for rank in range(shards):
+            part = Path(tmp) / str(rank)
+            part.mkdir()
+            stats = read(sources, assign(plan, (rank, shards)), part)
+            (part / "manifest.json").write_text(json.dumps({"stats": stats}))
+            parts.append(part)
+        return merge(None, {"shard": parts}, out)

@@ -71,8 +71,9 @@ class Ledger:
         self.writer.close()
         return self.path
 
-    def check(self, n_inputs: int, n_outputs: int) -> dict:
-        """Enforce conservation on the written ledger; return the stats block that lineage records."""
+    def check(self, n_inputs: int, n_outputs: int, unique: bool = True) -> dict:
+        """Enforce conservation on the written ledger (and unique ids, unless `unique` is False: a shard
+        whose join resolves repeats); return the stats block that lineage records."""
         total = sum(self.fates[f] for f in FATES)
         if total != n_inputs:
             raise ConservationError(
@@ -84,8 +85,9 @@ class Ledger:
                 f"stage {self.stage}: ledger keeps {self.fates['kept']} documents but the output holds "
                 f"{n_outputs}"
             )
-        _unique(self.hashes, [self.path.parent], f"stage {self.stage}: document id {{!r}} appears twice "
-                "in the ledger")
+        if unique:
+            _unique(self.hashes, [self.path.parent], f"stage {self.stage}: document id {{!r}} appears twice "
+                    "in the ledger")
         return {"documents_in": n_inputs, "documents_out": n_outputs, "fates": dict(sorted(self.fates.items()))}
 
 
@@ -101,8 +103,7 @@ def concat(parts: list[Path], out: Path) -> int:
             pending.append(table)
             if sum(t.num_rows for t in pending) >= ROWS_PER_GROUP:
                 pending = [_write_groups(writer, pa.concat_tables(pending))]
-            ids = table.column("doc_id").to_pylist()
-            hashes.append(np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64, len(ids)))
+            hashes.append(_hashes(table))
         rest = pa.concat_tables(pending or [SCHEMA.empty_table()])
         if rest.num_rows or not any(h.size for h in hashes):  # an empty ledger: one empty group, as `write`
             writer.write_table(rest, row_group_size=ROWS_PER_GROUP)
@@ -116,11 +117,26 @@ def _write_groups(writer: pq.ParquetWriter, table: pa.Table) -> pa.Table:
     return table.slice(whole)
 
 
+def _hashes(table: pa.Table) -> np.ndarray:
+    ids = table.column("doc_id").to_pylist()
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64, len(ids))
+
+
+def id_hashes(folder: Path) -> np.ndarray:
+    """The 64-bit hashes of a ledger's ids, in its order."""
+    return _hashes(pq.read_table(Path(folder) / LEDGER, columns=["doc_id"]))
+
+
+def repeated(hashes: list[np.ndarray]) -> set[int]:
+    """The hashes that occur more than once in `hashes` (sorted together: 8 bytes a document)."""
+    joined = np.sort(np.concatenate(hashes)) if hashes else np.empty(0, np.uint64)
+    return set(joined[1:][joined[1:] == joined[:-1]].tolist())
+
+
 def _unique(hashes: list[np.ndarray], folders: list[Path], message: str) -> int:
     """Fail with `message` (naming the id) when an id is in the ledgers of `folders` twice; returns the rows.
     Ids are compared by their sorted 64-bit hashes; a hash seen twice is looked up to tell a collision."""
-    joined = np.sort(np.concatenate(hashes)) if hashes else np.empty(0, np.uint64)
-    suspects = set(joined[1:][joined[1:] == joined[:-1]].tolist())
+    suspects = repeated(hashes)
     seen: set[str] = set()
     for folder in folders if suspects else []:
         for doc_id in read(folder).column("doc_id").to_pylist():
@@ -128,7 +144,7 @@ def _unique(hashes: list[np.ndarray], folders: list[Path], message: str) -> int:
                 if doc_id in seen:
                     raise ConservationError(message.format(doc_id))
                 seen.add(doc_id)
-    return int(joined.size)
+    return sum(h.size for h in hashes)
 
 
 def read(folder: Path) -> pa.Table:

@@ -143,9 +143,11 @@ STAGES: dict[str, Stage] = {
         Stage(
             "ingest",
             lambda c: c.sources,
-            ingest.stage,
+            None,
             ("pyarrow", "zstandard"),
             fetched=lambda s: sources.identities([x.package for x in s if x.package], s),
+            phases=(Phase("shard", ingest.shard, lambda c: c.execution.shards),),
+            merge=ingest.merge,
         ),
         Stage(
             "filter",

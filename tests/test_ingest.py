@@ -268,30 +268,106 @@ def test_plain_file_read_error_mid_file(tmp_path, monkeypatch):
 
 
 def test_parquet_rows_left_unread_are_counted_from_the_footer(tmp_path):
-    """Parquet's footer knows how many rows the file holds, so every unread row gets a row of its own; a
-    file whose footer is unreadable is one row (ArrowInvalid once escaped ingest and failed the run)."""
+    """Parquet's footer knows how many rows each row group holds, so every row a failing group leaves
+    unread gets a row of its own and the next group is still read; a file whose footer is unreadable is one
+    row (ArrowInvalid once escaped ingest and failed the run)."""
+    (tmp_path / "in").mkdir()
+    _corrupt_parquet(tmp_path / "in" / "a.parquet", rows=9)
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 not really")
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = ingest.run(ingest.resolve_sources_list([_parquet_source(tmp_path)]), out)
+    rows = [(r["doc_id"], r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()]
+    assert rows[:-1] == [(f"p/a.parquet#L{n}", "kept", "") for n in (1, 2, 3)] + [
+        (f"p/a.parquet#L{n}", "quarantined", "unreadable_file") for n in (4, 5, 6)
+    ] + [(f"p/a.parquet#L{n}", "kept", "") for n in (7, 8, 9)]
+    assert rows[-1] == ("p/b.parquet", "quarantined", "unreadable_file")
+    assert stats["documents_in"] == len(rows) == stats["fates"]["kept"] + stats["fates"]["quarantined"]
+
+
+def _parquet_source(tmp_path, pattern="*.parquet", **kw):
+    return SourceConfig(name="p", path=str(tmp_path / "in" / pattern), format="parquet", domain="x",
+                        license="cc0", **kw)
+
+
+def _corrupt_parquet(path, rows: int, group: int = 3, bad: int = 1, field: str = "text"):
+    """A parquet file of `rows` documents in row groups of `group`, the page header of group `bad` broken."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    (tmp_path / "in").mkdir()
-    path = tmp_path / "in" / "a.parquet"
-    table = pa.table({"text": [f"{GOOD}{i}" for i in range(6)]})
-    pq.write_table(table, path, row_group_size=3, compression="none")
+    texts = [f"{GOOD}{path.stem} {i}" for i in range(rows)]
+    table = pa.table({field: texts, "id": [f"r{i % 5}" for i in range(rows)]})
+    pq.write_table(table, path, row_group_size=group, compression="none")
     data = bytearray(path.read_bytes())
-    page = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
-    data[page : page + 8] = b"\xff" * 8  # the second row group's page header
+    page = pq.ParquetFile(path).metadata.row_group(bad).column(0).data_page_offset
+    data[page : page + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
-    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 not really")
-    src = SourceConfig(
-        name="p", path=str(tmp_path / "in" / "*.parquet"), format="parquet", domain="x", license="cc0"
+
+
+def _mixed_corpus(tmp_path) -> list:
+    """Sources of every format with the cases that make sharding hard: ids repeated across files (so across
+    shards), a capped source, a parquet file of many row groups with a broken one, cut and empty files."""
+    d = tmp_path / "in"
+    d.mkdir()
+    for i in range(6):
+        lines = [json.dumps({"id": f"k{(i * 7 + j) % 11}", "text": f"{GOOD} {i} {j}"}) for j in range(9)]
+        data = ("\n".join(lines) + "\n").encode()
+        if i % 3 == 1:
+            data = zstandard.ZstdCompressor().compress(data)
+        (d / f"keyed-{i}.jsonl{'.zst' if i % 3 == 1 else ''}").write_bytes(data[:-9] if i == 4 else data)
+    (d / "keyed-9.jsonl").write_bytes(b"")
+    long = json.dumps({"id": "long", "text": GOOD * 9})  # longer than a span: several spans start inside it
+    (d / "keyed-8.jsonl").write_bytes(  # blank lines, CRLF, a bad line, no newline at the end
+        f'\n{long}\r\n\n{{"id": "k3", "text": "x y"}}\n{{oops\n\n\n{long}\n'.encode()
+        + b'{"id": "last", "text": "end"}'
     )
-    out = tmp_path / "out"
-    out.mkdir()
-    stats = ingest.run(ingest.resolve_sources_list([src]), out)
-    rows = [(r["doc_id"], r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()]
-    kept = sum(fate == "kept" for _, fate, _ in rows)
-    assert kept <= 3  # the rows of the first group may be read; pyarrow's batches can span row groups
-    assert rows == [(f"p/a.parquet#L{n}", "kept", "") for n in range(1, kept + 1)] + [
-        (f"p/a.parquet#L{n}", "quarantined", "unreadable_file") for n in range(kept + 1, 7)
-    ] + [("p/b.parquet", "quarantined", "unreadable_file")]
-    assert stats["documents_in"] == len(rows) == stats["fates"].get("kept", 0) + stats["fates"]["quarantined"]
+    for i in range(3):
+        (d / f"plain-{i}.txt").write_text(f"{GOOD} plain {i}" if i != 1 else "  ")
+    _corrupt_parquet(d / "rows.parquet", rows=40, group=4, bad=3)
+    _corrupt_parquet(d / "capped.parquet", rows=10, group=2, bad=4)
+    return ingest.resolve_sources_list([
+        _source(tmp_path, name="keyed", pattern="keyed-*", id_field="id"),
+        SourceConfig(name="t", path=str(d / "plain-*.txt"), domain="x", license="cc0"),
+        _parquet_source(tmp_path, "rows.parquet", id_field="id"),
+        SourceConfig(name="c", path=str(d / "capped.parquet"), format="parquet", domain="x", license="cc0",
+                     max_docs=7),
+    ])
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 8, 40])
+def test_sharded_ingest_is_byte_identical_to_one_process(tmp_path, shards, monkeypatch):
+    """Files, parquet row groups and byte spans of plain jsonl files (37 bytes here, so spans start inside
+    lines) spread over shards, joined in order: the same documents, ledger and stats (repeated ids resolved
+    across shards, row groups read past a broken one) as one process reading every file whole."""
+    resolved = _mixed_corpus(tmp_path)
+    outs = {}
+    for n in (1, shards):
+        if n == shards:
+            monkeypatch.setattr(ingest, "SPAN_BYTES", 37)
+            assert sum(u.span is not None for u in ingest.units(resolved)) > 40
+        outs[n] = tmp_path / f"out{n}"
+        outs[n].mkdir(exist_ok=True)
+        stats = ingest.run(resolved, outs[n], shards=n)
+        assert stats.pop("shards") == n
+        outs[n] = (stats, *((outs[n] / f).read_bytes() for f in ("docs.parquet", "ledger.parquet")))
+    assert outs[shards] == outs[1]
+    ledger = read_ledger(tmp_path / "out1").to_pylist()
+    fates = [(r["doc_id"], r["fate"], r["reason"]) for r in ledger]
+    assert len({f[0] for f in fates}) == len(fates) == outs[1][0]["documents_in"]
+    # the id rule: an id's first record keeps it; a later one is `<id>@<its place>` (quarantined if good)
+    first = {}
+    for place, (doc_id, fate, _) in enumerate(fates, start=1):
+        base, _, suffix = doc_id.partition("@")
+        if suffix:
+            assert int(suffix) == place and first[base] < place and fate == "quarantined", doc_id
+        else:
+            first[base] = place
+    renamed = [r for r in fates if "@" in r[0]]
+    assert sum(reason == "duplicate_id" for _, _, reason in renamed) >= 40
+    assert ("keyed/k7@10", "quarantined", "duplicate_id") in renamed  # keyed-1.jsonl.zst's first line
+    assert ("p/rows.parquet#L13", "quarantined", "unreadable_file") in fates  # the broken group, then
+    assert ("p/r1@71", "quarantined", "duplicate_id") in fates  # the group after it: row 17, place 54 + 17
+    assert [f for f in fates if f[0].startswith(("keyed/long", "keyed/last", "keyed/keyed-8"))] == [
+        ("keyed/long", "kept", ""), ("keyed/keyed-8.jsonl#L5", "quarantined", "invalid_json"),
+        ("keyed/long@50", "quarantined", "duplicate_id"), ("keyed/last", "kept", "")]
+    assert sum(doc_id.startswith("c/") for doc_id, _, _ in fates) == 7  # the cap, across row groups
