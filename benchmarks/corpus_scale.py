@@ -11,14 +11,17 @@ truth: every 5th document gets a near-copy (one word in 100 replaced: about 0.9 
 every 10th an exact copy (case and spacing changed); recall counts the planted pairs whose exact Jaccard
 reaches the 0.8 threshold (all but a few short documents').
 
-Each stage (`filter` with the Gopher steps, `dedup`, `decontaminate` against the tiny preset's index,
-`tokenize` with GPT-2's BPE) runs on the same input through `tasks.stages.materialize` (a real store:
+Each stage (`ingest` of the corpus written as k JSONL files, `filter` with the Gopher steps, `dedup`,
+`decontaminate` against the tiny preset's index, `tokenize` with GPT-2's BPE) runs on the same input
+through `tasks.stages.materialize` (a real store:
 keys, checks, commits): every phase's parts on a pool of `workers` processes, started and warmed (moeflow
 imported) before the clock starts, the shard count k (a shard holds the same documents at every scale),
 `dedup.partitions` max(1, k // 2), then the join in the pool. Reported per stage, scale and worker count:
 documents/s per core (documents / wall / workers), the largest worker's peak RSS (VmHWM), and the join's
-seconds (the driver's own cost). The bare libraries, one process, same input, start-up untimed:
-datatrove's Gopher filters (Parquet reader to Parquet writer), datatrove's four-step MinHash (same
+seconds (the driver's own cost). `mix` (one task) packs k x 300 steps of 8 sequences of 129 tokens from
+the kx token store: its peak RSS at 16x against 1x shows whether it holds the tokens it writes. The
+bare libraries, one process, same input, start-up untimed: datatrove's JSONL reader to its Parquet
+writer, datatrove's Gopher filters (Parquet reader to Parquet writer), datatrove's four-step MinHash (same
 n-gram size, bands and rows; its own word tokenizer), `tokenizers.encode_batch` over the texts a row
 group at a time. Dedup quality against the planted truth (see `quality` and `datatrove_quality`).
 What it does not show: Prefect's scheduling (the pool stands in for its process pool), Ray or Dask,
@@ -40,7 +43,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-STAGES = ("filter", "dedup", "decontaminate", "tokenize")
+STAGES = ("ingest", "filter", "dedup", "decontaminate", "tokenize")
+MIX_STEPS = 300  # mix's training budget at 1x, in steps of 8 sequences of 129 tokens (k times that at kx)
 STEPS = ["gopher_repetition", "gopher_quality"]
 
 
@@ -66,7 +70,24 @@ def build_corpus(folder: Path, base: list[dict], scale: int) -> dict:
                 if n % 10 == 0:
                     w.write({**row, "id": f"{row['id']}~copy", "text": "  ".join(text.split(" ")).upper()})
                     truth[f"{row['id']}~copy"] = row["id"]
+    _as_jsonl(folder, scale)
     return {"documents": w.count, "truth": truth}
+
+
+def _as_jsonl(folder: Path, files: int) -> None:
+    """The same documents as `files` JSONL files of consecutive rows (ingest's input: a shard reads one)."""
+    import pyarrow.parquet as pq
+
+    from moeflow.documents import iter_docs, shard_rows
+
+    n = pq.ParquetFile(folder / "docs.parquet").metadata.num_rows
+    (folder / "jsonl").mkdir()
+    docs = iter_docs(folder)
+    for f in range(files):
+        with open(folder / "jsonl" / f"part-{f:03d}.jsonl", "w") as out:
+            for _ in shard_rows(n, (f, files)):
+                d = next(docs)
+                out.write(json.dumps({"id": d["id"], "text": d["text"]}) + "\n")
 
 
 def _edited(text: str, n: int) -> str:
@@ -112,13 +133,19 @@ def base_docs(n: int, work: Path) -> list[dict]:
     return docs[:n]
 
 
-def _config(store: Path, shards: int):
+def _config(store: Path, shards: int, jsonl: str | None = None, steps: int | None = None):
+    """The tiny preset with the Gopher filters only, GPT-2's tokenizer, `shards` shards; `jsonl`: its
+    sources replaced by those files; `steps`: mix's budget (and no repetition cap)."""
     from moeflow import configs
 
     only_gopher = {"steps": STEPS, "languages": None, "overrides": {}, "shards": None}
+    more = {"sources": [{"name": "corpus", "path": jsonl, "format": "jsonl", "id_field": "id", "domain": "web",
+                         "license": "cc0"}]} if jsonl else {}
+    if steps:
+        more.update(train={"steps": steps, "batch_size": 8, "seq_len": 128}, mix={"max_epochs": 1000})
     return configs.load("tiny", store=str(store), filter=only_gopher,
                         tokenizer={"kind": "gpt2"}, dedup={"partitions": max(1, shards // 2)},
-                        execution={"shards": shards})
+                        execution={"shards": shards}, **more)
 
 
 def _hwm_mb() -> float:
@@ -141,7 +168,7 @@ def part(spec: dict) -> dict:
     from moeflow.lineage.artifacts import Manifest
     from moeflow.tasks.stages import materialize
 
-    cfg = _config(Path(spec["store"]), spec["shards"])
+    cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"))
     inputs = {k: Manifest.read(Path(v)) for k, v in spec["inputs"].items()}
     prior = {k: [Manifest.read(Path(p)) for p in v] for k, v in spec["prior"].items()} if spec["prior"] else None
     t0 = time.perf_counter()
@@ -150,13 +177,14 @@ def part(spec: dict) -> dict:
     return {"seconds": time.perf_counter() - t0, "rss_mb": _hwm_mb(), "path": m.path}
 
 
-def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str]) -> dict:
-    """Every phase's parts on `workers` warm processes, then the join: wall seconds, peak worker RSS."""
+def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str], **more) -> dict:
+    """Every phase's parts on `workers` warm processes, then the join (or the stage's one task): wall
+    seconds, peak worker RSS. `more`: `_config`'s `jsonl` and `steps`."""
     from moeflow.tasks.stages import STAGES
 
-    cfg = _config(store, shards)
+    cfg = _config(store, shards, **more)
     prior: dict[str, list[str]] = {}
-    base = {"stage": stage, "store": str(store), "shards": shards, "inputs": inputs}
+    base = {"stage": stage, "store": str(store), "shards": shards, "inputs": inputs, **more}
     rss = 0.0
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         list(pool.map(warm, range(workers)))
@@ -167,7 +195,7 @@ def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[s
             got = list(pool.map(part, specs))
             rss = max(rss, *(g["rss_mb"] for g in got))
             prior[phase.name] = [g["path"] for g in got]
-        joined = pool.submit(part, {**base, "part": None, "prior": prior}).result()
+        joined = pool.submit(part, {**base, "part": None, "prior": prior or None}).result()
         wall = time.perf_counter() - t0
     return {"wall": wall, "rss_mb": max(rss, joined["rss_mb"]), "join_s": joined["seconds"], "path": joined["path"]}
 
@@ -178,7 +206,7 @@ def bare(kind: str, docs: Path, work: Path) -> dict:
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup import minhash as dtm
     from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
-    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
     from datatrove.pipeline.writers import JsonlWriter, ParquetWriter
 
     from moeflow import configs
@@ -197,6 +225,9 @@ def bare(kind: str, docs: Path, work: Path) -> dict:
     if kind == "filter":
         LocalPipelineExecutor([ParquetReader(str(docs)), GopherRepetitionFilter(**_repetition(cfg.filter)),
                                GopherQualityFilter(**cfg.filter.gopher_quality), ParquetWriter(str(work / "kept"))],
+                              tasks=1, workers=1, logging_dir=str(work / "logs")).run()
+    elif kind == "ingest":  # JSONL files to a Parquet file of documents
+        LocalPipelineExecutor([JsonlReader(str(docs / "jsonl")), ParquetWriter(str(work / "docs"))],
                               tasks=1, workers=1, logging_dir=str(work / "logs")).run()
     elif kind == "tokenize":  # the texts read a row group at a time, as the stage reads them
         f = pq.ParquetFile(docs / "docs.parquet")
@@ -301,13 +332,14 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
     cfg = _config(store.root, scale)
     index = materialize("benchmarks", cfg, {})
     tok = materialize("tokenizer", cfg, {"docs": docs})
-    inputs = {"filter": {"docs": docs.path}, "dedup": {"docs": docs.path},
+    inputs = {"ingest": {}, "filter": {"docs": docs.path}, "dedup": {"docs": docs.path},
               "decontaminate": {"docs": docs.path, "index": index.path},
               "tokenize": {"docs": docs.path, "tokenizer": tok.path}}
     out: dict = {"documents": n, "mb": round(sum(len(d["text"]) for d in base) * scale / 1e6, 1)}
     for stage in STAGES:
         for workers in (1, 2):
-            runs = [run_stage(stage, store.root, scale, workers, inputs[stage]) for _ in range(args.repeats)]
+            more = {"jsonl": str(work / f"corpus{scale}" / "jsonl" / "*.jsonl")} if stage == "ingest" else {}
+            runs = [run_stage(stage, store.root, scale, workers, inputs[stage], **more) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r["wall"])
             out[f"{stage}_w{workers}"] = {"docs_per_s_core": round(n / best["wall"] / workers, 1),
                                           "wall_s": round(best["wall"], 2), "join_s": round(best["join_s"], 2),
@@ -317,8 +349,15 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
                 truth, reps = corpus["truth"], moeflow_reps(Path(best["path"]))
                 out["dedup_quality"] = quality(truth, reps, work / f"corpus{scale}")
                 print(f"{scale:>2}x dedup quality: {out['dedup_quality']}", flush=True)
+            if stage == "tokenize" and workers == 1:
+                store_path = best["path"]
+    mix = [run_stage("mix", store.root, scale, 1, {"shards": store_path, "tokenizer": tok.path},
+                     steps=MIX_STEPS * scale) for _ in range(args.repeats)]
+    best = min(mix, key=lambda r: r["wall"])
+    out["mix"] = {"steps": MIX_STEPS * scale, "wall_s": round(best["wall"], 2), "rss_mb": round(best["rss_mb"])}
+    print(f"{scale:>2}x mix: {out['mix']}", flush=True)
     if scale in (args.scales[0], args.scales[-1]):
-        for kind in ("filter", "dedup", "tokenize"):
+        for kind in ("ingest", "filter", "dedup", "tokenize"):
             got = min((_bare(kind, work / f"corpus{scale}") for _ in range(args.repeats)), key=lambda r: r["seconds"])
             out[f"bare_{kind}"] = {"docs_per_s_core": round(n / got["seconds"], 1), "rss_mb": round(got["rss_mb"])}
             if kind == "dedup":
@@ -346,6 +385,7 @@ def summary(results: dict[int, dict], scales: list[int]) -> dict:
         fig[f"{stage}_join_share"] = round(top["join_s"] / top["wall_s"], 3)
         if f"bare_{stage}" in hi:
             fig[f"{stage}_vs_bare_ratio"] = round(top["docs_per_s_core"] / hi[f"bare_{stage}"]["docs_per_s_core"], 3)
+    fig["mix_rss_ratio"] = round(hi["mix"]["rss_mb"] / lo["mix"]["rss_mb"], 3)
     fig.update({f"dedup_{k}": v for k, v in hi["dedup_quality"].items()})
     fig.update({f"datatrove_dedup_{k}": v for k, v in hi["bare_dedup_quality"].items()})
     return fig

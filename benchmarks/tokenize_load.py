@@ -117,7 +117,7 @@ def main() -> None:
         # Loading: the same 2,000 sequences as a mix file (how training reads them) and as a raw memmap.
         rng = np.random.default_rng(0)
         rows = [rng.integers(0, 50257, WIDTH) for _ in range(2000)]
-        mix._write(root / "train.arrow", rows, [[] for _ in rows], None, 50257)
+        mix.write_rows(root / "train.arrow", rows, [[] for _ in rows], 50257)
         flat = np.concatenate(rows).astype(np.uint16)
         flat.tofile(root / "tokens.bin")
         tokens = len(rows) * WIDTH

@@ -62,22 +62,28 @@ def sequences(path: Path) -> np.ndarray:
 
 
 class Sequences:
-    """The training sequences of a mix file, memory-mapped; rows of different phases differ in length."""
+    """The training sequences of a mix file, memory-mapped (a record batch of it at a time: nothing is
+    copied but the rows asked for); rows of different phases differ in length."""
 
     def __init__(self, path: Path):
         table = mix.read(path)
-        col = table.column("tokens").combine_chunks()
-        self.values = col.values.to_numpy()
-        if isinstance(col, pa.FixedSizeListArray):
-            self.offsets = np.arange(len(col) + 1, dtype=np.int64) * col.type.list_size
-        else:
-            self.offsets = col.offsets.to_numpy().astype(np.int64)
+        chunks = table.column("tokens").chunks
+        self.values = [c.flatten().to_numpy() for c in chunks]
+        self.bases = np.cumsum([0] + [len(v) for v in self.values])  # each chunk's first token
+        offsets = [np.zeros(1, np.int64)]
+        for c, base in zip(chunks, self.bases, strict=False):
+            if isinstance(c, pa.FixedSizeListArray):
+                local = np.arange(1, len(c) + 1, dtype=np.int64) * c.type.list_size
+            else:
+                local = c.offsets.to_numpy()[1:].astype(np.int64) - int(c.offsets[0].as_py())
+            offsets.append(local + base)
+        self.offsets = np.concatenate(offsets)
         self.phase = (
             table.column("phase").to_numpy()
             if "phase" in table.column_names
-            else np.zeros(len(col), dtype=np.int16)
+            else np.zeros(len(self.offsets) - 1, dtype=np.int16)
         )
-        self.max_len = int(np.diff(self.offsets).max()) - 1 if len(col) else 0
+        self.max_len = int(np.diff(self.offsets).max()) - 1 if len(self) else 0
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -99,7 +105,15 @@ class Sequences:
     def rows(self, a: int, b: int) -> np.ndarray:
         """Rows a..b-1 as an int64 array [rows, length]."""
         width = self.width(a, b)
-        return self.values[self.offsets[a] : self.offsets[b]].astype(np.int64).reshape(b - a, width)
+        lo, hi = int(self.offsets[a]), int(self.offsets[b])
+        first = int(np.searchsorted(self.bases, lo, side="right")) - 1
+        pieces, k = [], first
+        while lo < hi:
+            take = min(hi, int(self.bases[k + 1])) - lo
+            pieces.append(self.values[k][lo - self.bases[k] : lo - self.bases[k] + take])
+            lo, k = lo + take, k + 1
+        flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return flat.astype(np.int64).reshape(b - a, width)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

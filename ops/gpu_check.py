@@ -91,7 +91,7 @@ def throughput(data_dir: Path, dev: str, small: bool) -> dict:
     tok.save(str(data_dir / "tokenizer.json"))
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, tok.get_vocab_size(), seq + 1) for _ in range(batch * steps)]
-    mix._write(data_dir / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
+    mix.write_rows(data_dir / "train.arrow", rows, [[] for _ in rows], tok.get_vocab_size())
     model = ModelConfig(d_model=width, n_layers=layers, n_heads=max(2, width // 128), num_experts=experts,
                         top_k=2, expert_hidden=width // 2)
     cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq, lr=1e-4, warmup_steps=2, device=dev,

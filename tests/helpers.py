@@ -40,7 +40,7 @@ def write_training_mix(root: Path) -> Path:
     rows = [
         (np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % tok.get_vocab_size() for _ in range(96)
     ]
-    mix._write(root / "train.arrow", rows, [[] for _ in rows], None, tok.get_vocab_size())
+    mix.write_rows(root / "train.arrow", rows, [[] for _ in rows], tok.get_vocab_size())
     return root
 
 

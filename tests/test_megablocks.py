@@ -282,7 +282,7 @@ def data(tmp_path_factory):
     root = write_training_mix(tmp_path_factory.mktemp("data"))
     rng = np.random.default_rng(5)
     rows = [(np.arange(33) * rng.integers(1, 7) + rng.integers(0, 50)) % 300 for _ in range(16)]
-    mix._write(root / "heldout.arrow", rows, [[] for _ in rows], ["a"] * 8 + ["b"] * 8, 300)
+    mix.write_rows(root / "heldout.arrow", rows, [[] for _ in rows], 300, domains=["a"] * 8 + ["b"] * 8)
     return root
 
 

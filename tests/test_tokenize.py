@@ -128,7 +128,7 @@ def _phase(name, start, steps, seq_len, weights, index=0):
     return Phase(name=name, index=index, steps=steps, start_step=start, seq_len=seq_len, weights=weights)
 
 
-def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
+def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path, monkeypatch):
     from moeflow.moe.train import Sequences
 
     tok_dir, store_dir, _ = built
@@ -151,6 +151,17 @@ def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path):
     assert (
         mix.read(tmp_path / "heldout.arrow").column("tokens").type.list_size == 49
     )  # the last phase's length
+    # written a few sequences per record batch, the file holds the same rows, read across batch edges
+    monkeypatch.setattr(mix, "BATCH_ROWS", 7)
+    batched = tmp_path / "batched"
+    batched.mkdir()
+    mix.run(cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=batched)
+    assert mix.read(batched / "train.arrow").column("tokens").num_chunks == 6
+    assert mix.read(batched / "train.arrow").equals(mix.read(tmp_path / "train.arrow"))
+    chunked = Sequences(batched / "train.arrow")
+    for a, b in ((0, 24), (4, 12), (5, 9), (24, 40), (26, 30)):
+        assert np.array_equal(chunked.rows(a, b), data.rows(a, b))
+    monkeypatch.undo()
     # the same seed gives the same file; a loader resumed at any step boundary yields the same batches
     again = tmp_path / "again"
     again.mkdir()

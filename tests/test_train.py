@@ -82,7 +82,7 @@ def test_a_two_phase_mix_trains_and_resumes_across_the_boundary(data, tmp_path):
     ]
     phased = tmp_path / "phased"
     phased.mkdir()
-    mix._write(phased / "train.arrow", rows, [[] for _ in rows], None, 300, phases=[0] * 24 + [1] * 24)
+    mix.write_rows(phased / "train.arrow", rows, [[] for _ in rows], 300, phases=[0] * 24 + [1] * 24)
     (phased / tokenizer.TOKENIZER).write_bytes((data / tokenizer.TOKENIZER).read_bytes())
     whole = _train(phased, tmp_path / "whole")
     assert whole["phases"] == [

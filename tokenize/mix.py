@@ -25,10 +25,11 @@ import pyarrow as pa
 import xxhash
 
 from moeflow.configs import ConfigError, MixConfig, Phase
-from moeflow.tokenize.store import read_tokens
+from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
+BATCH_ROWS = 1024  # sequences per record batch of a mix file
 SEGMENT = pa.struct(
     [("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())]
 )
@@ -65,44 +66,75 @@ def pack(
     return rows
 
 
-def rows(segments: list[list[dict]], tokens: dict[str, np.ndarray], eos: int) -> list[np.ndarray]:
-    """The token rows that packed segments describe (a segment past a document's last token is its EOS)."""
-    out = []
-    for segs in segments:
-        row = np.empty(sum(s["length"] for s in segs), dtype=np.int64)
+def _fill(segments: list[list[dict]], store_dir: Path, eos: int, dtype, path: Path) -> tuple[np.ndarray, ...]:
+    """The tokens that packed segments describe, in a file-backed array at `path` (a segment past a
+    document's last token is its EOS), and each row's start in it. The store is read once, a record batch
+    at a time, each document's tokens scattered to every place its segments name: memory holds the plan,
+    not the tokens."""
+    widths = np.fromiter((sum(s["length"] for s in segs) for segs in segments), np.int64, len(segments))
+    starts = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+    flat = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(int(starts[-1]),))
+    wants: dict[str, list[tuple[int, int, int]]] = {}  # doc id -> (place in flat, offset in doc, length)
+    for r, segs in enumerate(segments):
         for s in segs:
-            doc = tokens[s["doc_id"]]
-            lo, hi = s["doc_offset"], s["doc_offset"] + s["length"]
-            row[s["start"] : s["start"] + min(hi, len(doc)) - lo] = doc[lo:hi]
-            if hi > len(doc):
-                row[s["start"] + s["length"] - 1] = eos
-        out.append(row)
-    return out
+            place = (int(starts[r]) + s["start"], s["doc_offset"], s["length"])
+            wants.setdefault(s["doc_id"], []).append(place)
+    for doc_id, doc in iter_tokens(store_dir, set(wants)):
+        for at, lo, n in wants[doc_id]:
+            have = max(0, min(n, len(doc) - lo))
+            flat[at : at + have] = doc[lo : lo + have]
+            if have < n:
+                flat[at + n - 1] = eos
+    return flat, starts
 
 
-def _write(
-    path: Path, rows, segments, domains: list[str] | None, vocab_size: int, phases: list[int] | None = None
-) -> None:
-    """Rows of one width become a fixed-size list column; rows of several widths (phases) a list column."""
+def _write(path: Path, segments: list[list[dict]], flat: np.ndarray, starts: np.ndarray, ttype: pa.DataType,
+           domains: list[str] | None = None, phases: list[int] | None = None) -> None:
+    """Write a mix file in record batches of `BATCH_ROWS` sequences (row i's tokens: `flat[starts[i]:
+    starts[i + 1]]`): rows of one width as a fixed-size list column, of several (phases) as a list column."""
+    widths = set(np.diff(starts).tolist())
+    fixed = (widths.pop() if widths else 0) if len(widths) <= 1 else None
+    cols = [("tokens", pa.list_(ttype, fixed) if fixed is not None else pa.list_(ttype)),
+            ("segments", pa.list_(SEGMENT))]
+    cols += [("domain", pa.string())] if domains is not None else []
+    cols += [("phase", pa.int16())] if phases is not None else []
+    schema = pa.schema(cols)
+    with pa.ipc.new_stream(path, schema) as w:
+        for lo in range(0, max(len(segments), 1), BATCH_ROWS):
+            hi = min(len(segments), lo + BATCH_ROWS)
+            values = pa.array(flat[starts[lo] : starts[hi]], ttype)
+            if fixed is not None:
+                tokens = pa.FixedSizeListArray.from_arrays(values, fixed)
+            else:
+                offsets = pa.array(starts[lo : hi + 1] - starts[lo], pa.int32())
+                tokens = pa.ListArray.from_arrays(offsets, values)
+            batch = [tokens, pa.array(segments[lo:hi], type=pa.list_(SEGMENT))]
+            batch += [pa.array(domains[lo:hi], pa.string())] if domains is not None else []
+            batch += [pa.array(phases[lo:hi], pa.int16())] if phases is not None else []
+            w.write_batch(pa.record_batch(batch, schema=schema))
+
+
+def write_rows(path: Path, rows: list[np.ndarray], segments: list[list[dict]], vocab_size: int,
+               domains: list[str] | None = None, phases: list[int] | None = None) -> None:
+    """A mix file from token rows in memory (small files: tests, tools)."""
     ttype = pa.uint16() if vocab_size <= 65536 else pa.uint32()
-    widths = {len(r) for r in rows}
-    flat = pa.array(
-        (np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)).astype(ttype.to_pandas_dtype())
-    )
-    if len(widths) <= 1:
-        tokens = pa.FixedSizeListArray.from_arrays(flat, widths.pop() if widths else 0)
-    else:
-        tokens = pa.ListArray.from_arrays(
-            pa.array(np.concatenate([[0], np.cumsum([len(r) for r in rows])]), pa.int32()), flat
-        )
-    cols = {"tokens": tokens, "segments": pa.array(segments, type=pa.list_(SEGMENT))}
-    if domains is not None:
-        cols["domain"] = pa.array(domains, type=pa.string())
-    if phases is not None:
-        cols["phase"] = pa.array(phases, type=pa.int16())
-    table = pa.table(cols)
-    with pa.ipc.new_stream(path, table.schema) as w:
-        w.write_table(table)
+    flat = np.concatenate(rows) if rows else np.empty(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    _write(path, segments, flat.astype(ttype.to_pandas_dtype()), starts, ttype, domains, phases)
+
+
+def _write_all(out: Path, store_dir: Path, eos: int, vocab_size: int, train: list[list[dict]],
+               phases: list[int], heldout: list[list[dict]], domains: list[str]) -> None:
+    """`train.arrow` and `heldout.arrow`, their tokens gathered in one pass over the store into a
+    file-backed array that is deleted after."""
+    ttype = pa.uint16() if vocab_size <= 65536 else pa.uint32()
+    scratch = out / ".tokens.npy"
+    flat, starts = _fill(train + heldout, store_dir, eos, ttype.to_pandas_dtype(), scratch)
+    n = len(train)
+    _write(out / "train.arrow", train, flat, starts[: n + 1], ttype, phases=phases)
+    _write(out / "heldout.arrow", heldout, flat, starts[n:], ttype, domains=domains)
+    del flat
+    scratch.unlink()
 
 
 class _Domain:
@@ -232,10 +264,7 @@ def run(
         s = pack([(d, length[d], True) for d in sorted(ids)], last)
         ho_segs += s
         ho_domains += [domain] * len(s)
-    # one pass over the store for the documents the mix uses: memory holds them and the output rows
-    tokens = read_tokens(store_dir, ids={seg["doc_id"] for segs in all_segments + ho_segs for seg in segs})
-    _write(out / "train.arrow", rows(all_segments, tokens, eos), all_segments, None, vocab, phases=phase_col)
-    _write(out / "heldout.arrow", rows(ho_segs, tokens, eos), ho_segs, ho_domains, vocab)
+    _write_all(out, store_dir, eos, vocab, all_segments, phase_col, ho_segs, ho_domains)
     per_domain = _per_domain(all_segments, index)
     return {
         "seed": seed,
