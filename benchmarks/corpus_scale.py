@@ -74,6 +74,11 @@ def build_corpus(folder: Path, base: list[dict], scale: int) -> dict:
     return {"documents": w.count, "truth": truth}
 
 
+def _jsonl_dir(folder: Path) -> Path:
+    """Beside the corpus folder, not in it: datatrove's Parquet reader reads every file under a folder."""
+    return folder.with_name(folder.name + "-jsonl")
+
+
 def _as_jsonl(folder: Path, files: int) -> None:
     """The same documents as `files` JSONL files of consecutive rows (ingest's input: a shard reads one)."""
     import pyarrow.parquet as pq
@@ -81,10 +86,10 @@ def _as_jsonl(folder: Path, files: int) -> None:
     from moeflow.documents import iter_docs, shard_rows
 
     n = pq.ParquetFile(folder / "docs.parquet").metadata.num_rows
-    (folder / "jsonl").mkdir()
+    (jsonl := _jsonl_dir(folder)).mkdir()
     docs = iter_docs(folder)
     for f in range(files):
-        with open(folder / "jsonl" / f"part-{f:03d}.jsonl", "w") as out:
+        with open(jsonl / f"part-{f:03d}.jsonl", "w") as out:
             for _ in shard_rows(n, (f, files)):
                 d = next(docs)
                 out.write(json.dumps({"id": d["id"], "text": d["text"]}) + "\n")
@@ -133,16 +138,18 @@ def base_docs(n: int, work: Path) -> list[dict]:
     return docs[:n]
 
 
-def _config(store: Path, shards: int, jsonl: str | None = None, steps: int | None = None):
+def _config(store: Path, shards: int, jsonl: str | None = None, steps: int | None = None,
+            domains: list[str] | None = None):
     """The tiny preset with the Gopher filters only, GPT-2's tokenizer, `shards` shards; `jsonl`: its
-    sources replaced by those files; `steps`: mix's budget (and no repetition cap)."""
+    sources replaced by those files; `steps`: mix's budget over `domains` (one phase, no repetition cap)."""
     from moeflow import configs
 
     only_gopher = {"steps": STEPS, "languages": None, "overrides": {}, "shards": None}
     more = {"sources": [{"name": "corpus", "path": jsonl, "format": "jsonl", "id_field": "id", "domain": "web",
-                         "license": "cc0"}]} if jsonl else {}
+                         "license": "cc0"}], "mix": {"weights": {"web": 1.0}, "phases": []}} if jsonl else {}
     if steps:
-        more.update(train={"steps": steps, "batch_size": 8, "seq_len": 128}, mix={"max_epochs": 1000})
+        more.update(train={"steps": steps, "batch_size": 8, "seq_len": 128},
+                    mix={"weights": dict.fromkeys(domains, 1.0), "phases": [], "max_epochs": 1000})
     return configs.load("tiny", store=str(store), filter=only_gopher,
                         tokenizer={"kind": "gpt2"}, dedup={"partitions": max(1, shards // 2)},
                         execution={"shards": shards}, **more)
@@ -168,7 +175,7 @@ def part(spec: dict) -> dict:
     from moeflow.lineage.artifacts import Manifest
     from moeflow.tasks.stages import materialize
 
-    cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"))
+    cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"), spec.get("domains"))
     inputs = {k: Manifest.read(Path(v)) for k, v in spec["inputs"].items()}
     prior = {k: [Manifest.read(Path(p)) for p in v] for k, v in spec["prior"].items()} if spec["prior"] else None
     t0 = time.perf_counter()
@@ -179,7 +186,7 @@ def part(spec: dict) -> dict:
 
 def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str], **more) -> dict:
     """Every phase's parts on `workers` warm processes, then the join (or the stage's one task): wall
-    seconds, peak worker RSS. `more`: `_config`'s `jsonl` and `steps`."""
+    seconds, peak worker RSS. `more`: `_config`'s `jsonl`, `steps` and `domains`."""
     from moeflow.tasks.stages import STAGES
 
     cfg = _config(store, shards, **more)
@@ -227,7 +234,7 @@ def bare(kind: str, docs: Path, work: Path) -> dict:
                                GopherQualityFilter(**cfg.filter.gopher_quality), ParquetWriter(str(work / "kept"))],
                               tasks=1, workers=1, logging_dir=str(work / "logs")).run()
     elif kind == "ingest":  # JSONL files to a Parquet file of documents
-        LocalPipelineExecutor([JsonlReader(str(docs / "jsonl")), ParquetWriter(str(work / "docs"))],
+        LocalPipelineExecutor([JsonlReader(str(_jsonl_dir(docs))), ParquetWriter(str(work / "docs"))],
                               tasks=1, workers=1, logging_dir=str(work / "logs")).run()
     elif kind == "tokenize":  # the texts read a row group at a time, as the stage reads them
         f = pq.ParquetFile(docs / "docs.parquet")
@@ -338,7 +345,7 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
     out: dict = {"documents": n, "mb": round(sum(len(d["text"]) for d in base) * scale / 1e6, 1)}
     for stage in STAGES:
         for workers in (1, 2):
-            more = {"jsonl": str(work / f"corpus{scale}" / "jsonl" / "*.jsonl")} if stage == "ingest" else {}
+            more = {"jsonl": str(_jsonl_dir(work / f"corpus{scale}") / "*.jsonl")} if stage == "ingest" else {}
             runs = [run_stage(stage, store.root, scale, workers, inputs[stage], **more) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r["wall"])
             out[f"{stage}_w{workers}"] = {"docs_per_s_core": round(n / best["wall"] / workers, 1),
@@ -352,7 +359,8 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
             if stage == "tokenize" and workers == 1:
                 store_path = best["path"]
     mix = [run_stage("mix", store.root, scale, 1, {"shards": store_path, "tokenizer": tok.path},
-                     steps=MIX_STEPS * scale) for _ in range(args.repeats)]
+                     steps=MIX_STEPS * scale, domains=sorted({d["domain"] for d in base}))
+           for _ in range(args.repeats)]
     best = min(mix, key=lambda r: r["wall"])
     out["mix"] = {"steps": MIX_STEPS * scale, "wall_s": round(best["wall"], 2), "rss_mb": round(best["rss_mb"])}
     print(f"{scale:>2}x mix: {out['mix']}", flush=True)
