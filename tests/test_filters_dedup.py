@@ -255,13 +255,14 @@ def test_dedup_output_is_the_same_for_any_shards_and_partitions(tmp_path, monkey
     docs, truth = _planted()
     src = _write(tmp_path / "in", docs)
     outputs = []
-    for shards, partitions in ((1, 1), (3, 4), (7, 2)):
+    monkeypatch.setattr(corpus, "ROWS_PER_PARTITION", 14 * 12)  # unset: a partition per 12 documents
+    for shards, partitions in ((1, 1), (3, 4), (7, 2), (2, None)):
         out = tmp_path / f"out-{shards}-{partitions}"
         out.mkdir()
         stats = corpus.run(DedupConfig(partitions=partitions), src, out, shards=shards)
         outputs.append([(out / name).read_bytes() for name in ("docs.parquet", "ledger.parquet")])
-        assert stats["shards"] == shards and stats["partitions"] == partitions
-    assert outputs[0] == outputs[1] == outputs[2]
+        assert stats["shards"] == shards and stats["partitions"] == (partitions or -(-len(docs) // 12))
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
     kept = {d["id"] for d in iter_docs(out)}
     by_original: dict[int, list[str]] = {}
     for doc_id, k in truth.items():
