@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test chaos bench gpu-check
+.PHONY: setup run test chaos fuzz bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: setup
 chaos: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py
+
+# the ingest fuzz suite with a longer, random budget (`make test` runs 25 derandomised cases a property)
+fuzz: setup
+	MOEFLOW_FUZZ_EXAMPLES=$${MOEFLOW_FUZZ_EXAMPLES:-400} MOEFLOW_FUZZ_RANDOM=1 $(BIN)/python -m pytest -v --hypothesis-show-statistics tests/test_ingest_fuzz.py
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

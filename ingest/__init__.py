@@ -12,6 +12,8 @@ import glob
 import gzip
 import json
 import logging
+import os
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -42,6 +44,7 @@ class ResolvedSource:
     root: Path  # paths in ids are relative to this
     files: tuple[Path, ...]
     version: str | None  # the fetched package version, when the source comes from a package
+    skipped: tuple[str, ...] = ()  # matches left out, each with why (see `_listing`)
 
 
 def _glob_root(pattern: str) -> Path:
@@ -73,10 +76,9 @@ def resolve_source(src: SourceConfig) -> ResolvedSource | None:
         pattern = str(Path(src.path).expanduser())
     root = _glob_root(pattern)
     root = root.parent if root.is_file() else root  # a single file: its name is in the ids
-    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    files = [
-        f for f in files if not any(fnmatch.fnmatch(f.relative_to(root).as_posix(), x) for x in src.exclude)
-    ]
+    files, skipped = _listing(pattern, root, src.exclude)
+    for note in skipped:
+        log.warning("source %r: %s skipped", src.name, note)
     if not files:
         raise SourceError(
             f"source {src.name!r}: path {pattern!r} matches no files"
@@ -85,7 +87,51 @@ def resolve_source(src: SourceConfig) -> ResolvedSource | None:
         )
     if src.max_docs and src.format == Format.text:
         files = files[: src.max_docs]
-    return ResolvedSource(config=src, root=root, files=tuple(files), version=version)
+    return ResolvedSource(config=src, root=root, files=tuple(files), version=version, skipped=tuple(skipped))
+
+
+def _listing(pattern: str, root: Path, exclude: tuple[str, ...]) -> tuple[list[Path], list[str]]:
+    """The regular files a pattern matches, sorted, each real file once (a file reached by two paths, by a
+    link or a link loop, is read at the first); and a note for each match left out that is not a folder:
+    an alias, a special file (a FIFO would block the reader), a dangling or looping link."""
+    files, skipped, seen = [], [], {}
+    for path in sorted(Path(p) for p in glob.glob(pattern, recursive=True)):
+        if any(fnmatch.fnmatch(_name(path, root), x) for x in exclude):
+            continue
+        try:
+            st = path.stat()
+        except OSError as e:
+            skipped.append(f"{_name(path, root)}: {e.strerror}")
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            skipped.append(f"{_name(path, root)}: not a regular file")
+        elif (st.st_dev, st.st_ino) in seen:
+            skipped.append(f"{_name(path, root)}: the same file as {_name(seen[st.st_dev, st.st_ino], root)}")
+        else:
+            seen[st.st_dev, st.st_ino] = path
+            files.append(path)
+    return files, skipped
+
+
+def _name(path: Path, root: Path) -> str:
+    """A file's path under its source's root as ids name it; bytes that are not UTF-8 as `\\xNN`."""
+    return _printable(path.relative_to(root).as_posix())
+
+
+def _printable(name: str) -> str:
+    """A name as text that encodes: a file name's bytes Python could not decode (kept as surrogates) as
+    `\\xNN`, any other lone surrogate (an `id_field` value) as `\\uXXXX`."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate from JSON (`"\ud800"`), not from the file system
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -171,28 +217,60 @@ class LineCut(Exception):
     """A read error part-way through a line stream: the error, the bytes of the line it cut (b"" when it
     fell between lines), and the number of the last line read (set by `_jsonl_rows`; the cut one included)."""
 
-    def __init__(self, error: Exception, partial: bytes):
+    def __init__(self, error: Exception, partial: bytes, size: int | None = None):
         super().__init__(_why(error))
         self.error, self.partial, self.line = error, partial, 0
+        self.size = len(partial) if size is None else size  # the cut line's bytes (`partial`: its head)
 
 
-def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Complete lines of a chunk stream; a read error mid-file comes out after the lines before it, as a
-    `LineCut` holding the line it cut short (so that line can be accounted for, not lost)."""
-    pending: list[bytes] = []  # the current line's pieces (a long line spans many chunks)
+class Overlong:
+    """A line longer than the reader's limit: its bytes were dropped as they came (`size` counts them), so
+    one line never holds more memory than the limit."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def _lines(chunks: Iterator[bytes], limit: int | None = None) -> Iterator[bytes | Overlong]:
+    """Complete lines of a chunk stream, a line over `limit` bytes as an `Overlong`; a read error mid-file
+    comes out after the lines before it, as a `LineCut` holding the line it cut short (so that line can be
+    accounted for, not lost)."""
+    line = _Line(limit)  # the current line's pieces (a long line spans many chunks)
     try:
         for chunk in chunks:
             parts = chunk.split(b"\n")
             if len(parts) > 1:
-                yield b"".join(pending) + parts[0]
-                yield from parts[1:-1]
-                pending = []
-            pending.append(parts[-1])
+                line.add(parts[0])
+                yield line.take()
+                for part in parts[1:-1]:
+                    yield part if limit is None or len(part) <= limit else Overlong(len(part))
+            line.add(parts[-1])
     except READ_ERRORS as e:
-        raise LineCut(e, b"".join(pending)) from e
-    tail = b"".join(pending)
-    if tail:
-        yield tail
+        raise LineCut(e, line.head(), line.size) from e
+    if line.size:
+        yield line.take()
+
+
+class _Line:
+    """The pieces of the line being read, dropped (and only counted) once they pass `limit` bytes."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.pieces, self.size, self.over = limit, [], 0, False
+
+    def add(self, piece: bytes) -> None:
+        self.size += len(piece)
+        if self.limit is not None and self.size > self.limit and not self.over:
+            self.pieces, self.over = [self.head()], True
+        if not self.over:
+            self.pieces.append(piece)
+
+    def head(self) -> bytes:
+        return b"".join(self.pieces)[:64]
+
+    def take(self) -> bytes | Overlong:
+        line = Overlong(self.size) if self.over else b"".join(self.pieces)
+        self.pieces, self.size, self.over = [], 0, False
+        return line
 
 
 class Quarantine(Exception):
@@ -214,7 +292,11 @@ def _text(src: SourceConfig, value) -> str:
         raise Quarantine("nul_bytes", "text contains NUL bytes")
     if not value.strip():
         raise Quarantine("empty_text", "text is empty or whitespace only")
-    size = len(value.encode("utf-8"))
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as e:  # a lone surrogate: valid JSON (`"\ud800"`), not text
+        detail = f"character {e.start}: lone surrogate {value[e.start]!r}"
+        raise Quarantine("invalid_unicode", detail) from None
     if size > src.max_doc_bytes:
         raise Quarantine(
             "too_large", f"{size:,} bytes, over the source's max_doc_bytes ({src.max_doc_bytes:,})"
@@ -246,7 +328,7 @@ def _records(rs: ResolvedSource, unit: Unit | None = None) -> Iterator[Record]:
     unit = unit or Unit(0, (0, len(rs.files)))
     emitted = 0
     for path in rs.files[unit.files[0] : unit.files[1]]:
-        base = f"{src.name}/{path.relative_to(rs.root).as_posix()}"
+        base = f"{src.name}/{_name(path, rs.root)}"
         if src.format == Format.text:
             yield _text_record(src, base, path)
             continue
@@ -267,11 +349,12 @@ def _text_record(src: SourceConfig, base: str, path: Path) -> Record:
         raw = _read_limited(path, src.max_doc_bytes)
         if raw is None:
             raise Quarantine("too_large", f"over the source's max_doc_bytes ({src.max_doc_bytes:,})")
-        return base, path, _text(src, raw.decode("utf-8")), None
+        return base, path, _text(src, raw.decode("utf-8").removeprefix("\ufeff")), None
     except READ_ERRORS as e:
         return base, path, None, Quarantine("unreadable_file", _why(e))
     except UnicodeDecodeError as e:
-        return base, path, None, Quarantine("invalid_utf8", f"byte {e.start}: {e.reason}")
+        line = e.object[: e.start].count(b"\n") + 1
+        return base, path, None, Quarantine("invalid_utf8", f"line {line}, byte {e.start}: {e.reason}")
     except Quarantine as q:
         return base, path, None, q
 
@@ -312,7 +395,7 @@ def _record(
     if isinstance(row, Quarantine):
         return doc_id, path, None, row
     if src.id_field and isinstance(row, dict) and row.get(src.id_field) is not None:
-        doc_id = f"{src.name}/{row[src.id_field]}"
+        doc_id = _printable(f"{src.name}/{row[src.id_field]}")
     try:
         if not isinstance(row, dict):
             raise Quarantine("not_an_object", f"line {line_no} is a JSON {type(row).__name__}, not an object")
@@ -349,9 +432,16 @@ def _rows(src: SourceConfig, path: Path, unit: Unit) -> Iterator[tuple[int, obje
         yield from _parquet_rows(path, unit.groups)
     elif unit.span:
         begin, before = _span_start(path, unit.span[0])
-        yield from _jsonl_rows(_lines(_span_chunks(path, begin, unit.span[1])), first=before + 1)
+        lines = _lines(_span_chunks(path, begin, unit.span[1]), _line_limit(src))
+        yield from _jsonl_rows(lines, first=before + 1)
     else:
-        yield from _jsonl_rows(_lines(_chunks(path)))
+        yield from _jsonl_rows(_lines(_chunks(path), _line_limit(src)))
+
+
+def _line_limit(src: SourceConfig) -> int:
+    """The longest JSONL line parsed: one whose text field could be `max_doc_bytes` (JSON escapes take up
+    to 6 bytes a byte of text), plus 1 MiB for the other fields."""
+    return 6 * src.max_doc_bytes + (1 << 20)
 
 
 def _span_start(path: Path, start: int) -> tuple[int, int]:
@@ -396,7 +486,7 @@ def _jsonl_rows(lines: Iterator[bytes], first: int = 1) -> Iterator[tuple[int, o
     line_no = first - 1
     try:
         for line_no, line in enumerate(lines, start=first):
-            if line.strip():
+            if isinstance(line, Overlong) or line.strip():
                 yield line_no, _json_row(line_no, line)
     except LineCut as cut:
         if not cut.partial.strip():  # the error fell between lines (or after blanks): nothing was cut
@@ -407,27 +497,37 @@ def _jsonl_rows(lines: Iterator[bytes], first: int = 1) -> Iterator[tuple[int, o
             cut.line,
             Quarantine(
                 "unreadable_file",
-                (f"line {cut.line} truncated by the read error after {len(cut.partial):,} bytes: {cut}"),
+                (f"line {cut.line} truncated by the read error after {cut.size:,} bytes: {cut}"),
             ),
         )
         raise
 
 
-def _json_row(line_no: int, line: bytes) -> object:
+def _json_row(line_no: int, line: bytes | Overlong) -> object:
+    """A line parsed, or the Quarantine that says why it cannot be (a UTF-8 byte-order mark opening the
+    file is dropped)."""
+    if isinstance(line, Overlong):
+        return Quarantine("too_large", f"line {line_no}: {line.size:,} bytes, over the line limit (6 x "
+                                       "max_doc_bytes + 1 MiB: its text could not fit); not parsed")
     try:
-        return json.loads(line.decode("utf-8"))
+        text = line.decode("utf-8")
+        return json.loads(text.removeprefix("\ufeff") if line_no == 1 else text)
     except UnicodeDecodeError as e:
         return Quarantine("invalid_utf8", f"line {line_no}, byte {e.start}: {e.reason}")
     except json.JSONDecodeError as e:
         return Quarantine("invalid_json", f"line {line_no}: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return Quarantine("invalid_json", f"line {line_no}: nested deeper than the JSON parser's limit")
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        return Quarantine("invalid_json", f"line {line_no}: {e}")
 
 
 def _portable(path: Path) -> str:
     """A raw file's path as lineage records it: `cache:<path in the data cache>` or absolute."""
     try:
-        return "cache:" + path.resolve().relative_to(cache_dir()).as_posix()
+        return "cache:" + _printable(path.resolve().relative_to(cache_dir()).as_posix())
     except ValueError:
-        return str(path.resolve())
+        return _printable(str(path.resolve()))
 
 
 @dataclass(frozen=True)
@@ -522,7 +622,8 @@ def assign(plan: list[Unit], shard: tuple[int, int]) -> list[Unit]:
 def _source_stats(rs: ResolvedSource) -> dict:
     src = rs.config
     return {"files": 0, "documents": 0, "kept": 0, "quarantined": 0, "bytes": 0, "version": rs.version,
-            "package": src.package, "license": src.license, "domain": src.domain}
+            "package": src.package, "license": src.license, "domain": src.domain,
+            "skipped_paths": len(rs.skipped), "skipped": list(rs.skipped[:20]), "changed": []}
 
 
 def shard(sources: tuple[SourceConfig, ...], inputs: dict, prior: dict, out: Path,
@@ -544,6 +645,7 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
             stats = per_source.setdefault(rs.config.name, _source_stats(rs))
             if unit.first:  # a file is counted by the shard reading its start
                 stats["files"] += unit.files[1] - unit.files[0]
+            before = _signatures(rs, unit)
             for doc_id, path, text, q in _records(rs, unit):
                 n_in += 1
                 stats["documents"] += 1
@@ -557,9 +659,34 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
                 ledger.kept(doc_id)
                 stats["kept"] += 1
                 stats["bytes"] += len(text.encode("utf-8"))
+            stats["changed"] += _changed(rs, unit, before)
         n_out = writer.count
     ledger.write()
     return {**ledger.check(n_in, n_out, unique=False), "sources": per_source}
+
+
+def _signatures(rs: ResolvedSource, unit: Unit) -> list[tuple[int, int] | None]:
+    """Size and mtime of each file of a unit (None: gone)."""
+    out = []
+    for path in rs.files[unit.files[0] : unit.files[1]]:
+        try:
+            st = path.stat()
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return out
+
+
+def _changed(rs: ResolvedSource, unit: Unit, before: list) -> list[str]:
+    """The files of a unit that changed or vanished while it was read, each with a warning: what was read
+    of them is in the artifact (every record accounted for), but a rerun may read something else."""
+    after = _signatures(rs, unit)
+    names = [_name(p, rs.root) for p, b, a in zip(rs.files[unit.files[0] : unit.files[1]], before, after,
+                                                    strict=True) if a != b]
+    for name in names:
+        log.warning("source %r: %s changed while it was read: rerun ingest once it is stable", rs.config.name,
+                    name)
+    return names
 
 
 def merge(sources, prior: dict[str, list[Path]], out: Path) -> dict:
@@ -573,7 +700,7 @@ def merge(sources, prior: dict[str, list[Path]], out: Path) -> dict:
         for name, s in json.loads((part / "manifest.json").read_text())["stats"]["sources"].items():
             total = per_source.setdefault(name, s)
             if total is not s:
-                for field in ("files", "documents", "kept", "quarantined", "bytes"):
+                for field in ("files", "documents", "kept", "quarantined", "bytes", "changed"):
                     total[field] += s[field]
     stats = _rejoin(parts, out, repeated, per_source) if repeated else join(parts, out, "ingest")
     return {**stats, "sources": per_source, "shards": len(parts)}

@@ -38,11 +38,17 @@ def local_files(sources: tuple[SourceConfig, ...]) -> dict[str, list[dict]]:
     out = {}
     for src in sources:
         if not src.package:
-            stats = [(f, f.stat()) for f in resolve_source(src).files]
-            out[src.name] = [
-                {"path": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns} for f, st in stats
-            ]
+            out[src.name] = [{"path": str(f), **_stat(f)} for f in resolve_source(src).files]
     return out
+
+
+def _stat(path: Path) -> dict:
+    """Size and mtime; None for a file gone since it was listed (ingest quarantines it, naming why)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return {"size": None, "mtime_ns": None}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def identities(packages: list[str] | tuple[str, ...], sources: tuple[SourceConfig, ...] = ()) -> dict:
