@@ -1,7 +1,7 @@
 """The `moeflow` command line.
 
-Run the pipeline, say why stages rebuild, fetch data, start a local stack, regenerate cards, explain
-documents.
+Run the pipeline, say why stages rebuild, fetch data, start a local stack, regenerate cards, export
+the corpus as a dataset, explain documents.
 """
 
 from __future__ import annotations
@@ -179,6 +179,27 @@ def _explain(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from moeflow import configs
+    from moeflow.card import dataset
+
+    cfg = configs.load(args.config)
+    runs = sorted((cfg.store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    built = [s for s in (json.loads(r.read_text()) for r in runs)
+             if s["config"] == cfg.name and args.stage in s["stages"]]
+    if not built:
+        print(f"no run of config {args.config!r} has built `{args.stage}` yet; run `moeflow run "
+              f"{args.config} --until {args.stage}` first", file=sys.stderr)
+        return 1
+    try:
+        done = dataset.export(Path(built[-1]["stages"][args.stage]["artifact"]), Path(args.out))
+    except (ValueError, FileExistsError) as e:
+        print(f"moeflow export: {e}", file=sys.stderr)
+        return 1
+    print(f"{done['documents']:,} documents -> {Path(done['path']).resolve()} (card: README.md)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -246,6 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("artifact_dir", metavar="ARTIFACT_DIR")
     c.add_argument("--out", default="model-card", metavar="DIR", help="output folder (default: ./model-card)")
     c.set_defaults(fn=_card)
+
+    x = sub.add_parser(
+        "export",
+        help="write the corpus a data stage kept as a Hugging Face dataset, with its dataset card",
+        description="Write the documents the latest run of CONFIG kept at --stage (ingest, filter, dedup, "
+        "decontaminate) into OUT as a dataset `datasets.load_from_disk(OUT)` opens (columns id, text, "
+        "source, domain, license), with OUT/README.md: a dataset card generated from the lineage.",
+    )
+    x.add_argument("config", metavar="CONFIG")
+    x.add_argument("out", metavar="OUT", help="a new folder")
+    x.add_argument("--stage", default="decontaminate", choices=["ingest", "filter", "dedup", "decontaminate"])
+    x.set_defaults(fn=_export)
 
     e = sub.add_parser(
         "explain",

@@ -1,6 +1,7 @@
 """The model card and lineage report, generated from the `lineage.json` records walked back from an artifact.
 
-`generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata),
+`generate(start, out)` writes `README.md` (a Hugging Face model card with YAML metadata), the corpus's
+`dataset_card.md` (`card/dataset.py`),
 `lineage_report.md`, a self-contained `lineage_report.html`, the artifact graph `lineage.svg` and the
 health plots under `plots/`. Nothing is read but those lineage records (the config diff and the drill-down
 are in them, written when the stages ran) and, for the plots, the metrics of the train artifact they name:
@@ -194,6 +195,10 @@ def render_card(graph: dict[str, dict]) -> str:
         ),
         "",
         "## Data",
+        "",
+        "The curated corpus has its own card, generated from the same lineage: "
+        "[dataset_card.md](dataset_card.md) (`moeflow export` writes the corpus as a Hugging Face dataset "
+        "with it).",
         "",
         "### Sources",
         "",
@@ -847,7 +852,7 @@ def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
 
 
 def generate(start: Path | list[Path], out: Path) -> dict:
-    """Write the card, the report and the plots for the artifact(s) at `start`.
+    """Write the card, the dataset card, the report and the plots for the artifact(s) at `start`.
 
     A card artifact at `start` stands for its inputs.
     """
@@ -856,6 +861,8 @@ def generate(start: Path | list[Path], out: Path) -> dict:
         rec = json.loads((roots[0] / "lineage.json").read_text())
         if rec["stage"] == "card":
             roots = [roots[0].parent.parent / inp["path"] for _, inp in sorted(rec["inputs"].items())]
+    from moeflow.card import dataset  # it builds on this module
+
     graph = collect(roots)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -864,12 +871,14 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     plots.health(metrics, train["config"]["train"], out / "plots")
     card_md, report_md = render_card(graph), render_report(graph)
     (out / CARD).write_text(card_md)
+    (out / dataset.DATASET_CARD).write_text(dataset.render(graph))
     (out / REPORT).write_text(report_md)
     (out / DAG).write_text(dag_svg(graph))
     (out / HTML).write_text(render_html(card_md, report_md, out / "plots"))
     return {
         "artifacts": list(graph),
         "card": CARD,
+        "dataset_card": dataset.DATASET_CARD,
         "report": REPORT,
         "html": HTML,
         "dag": DAG,

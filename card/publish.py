@@ -25,6 +25,8 @@ def _publish(out: Path, roots: list[Path]) -> None:
     create_markdown_artifact(
         key="model-card", markdown=(out / card.CARD).read_text(), description="moeflow model card"
     )
+    create_markdown_artifact(key="dataset-card", markdown=(out / "dataset_card.md").read_text(),
+                             description="moeflow dataset card of the curated corpus")
     rows = [
         {
             "stage": rec["stage"],

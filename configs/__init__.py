@@ -35,6 +35,8 @@ class Format(str, Enum):
     text = "text"  # one document per file (.gz / .zst decompressed by extension)
     jsonl = "jsonl"  # one JSON object per line (.gz / .zst decompressed by extension)
     parquet = "parquet"
+    hf_dataset = "hf_dataset"  # a folder written by `datasets`' `save_to_disk` (a DatasetDict: `split:`)
+    hf_files = "hf_files"  # local files loaded by a `datasets` builder (`builder:`), streamed
 
 
 class SourceConfig(Frozen):
@@ -50,6 +52,18 @@ class SourceConfig(Frozen):
     max_docs: int | None = Field(default=None, gt=0)  # keep the first N files/records (sorted paths)
     max_doc_bytes: int = Field(default=10_000_000, gt=0)  # larger documents are quarantined as too_large
     optional: bool = False  # skip with a warning when its package cannot be fetched on this machine
+    split: str | None = None  # hf_dataset: the split of a saved DatasetDict
+    builder: Literal["json", "csv", "parquet", "arrow", "text"] | None = None  # hf_files: how to load them
+
+    @model_validator(mode="after")
+    def _hf_fields(self) -> SourceConfig:
+        if self.format == Format.hf_files and not self.builder:
+            raise ValueError("format hf_files needs `builder:` (json, csv, parquet, arrow or text)")
+        if self.builder and self.format != Format.hf_files:
+            raise ValueError("`builder:` is for format hf_files only")
+        if self.split and self.format != Format.hf_dataset:
+            raise ValueError("`split:` is for format hf_dataset only")
+        return self
 
 
 class BenchmarkConfig(Frozen):

