@@ -1,7 +1,7 @@
 """The `moeflow` command line.
 
 Run the pipeline, say why stages rebuild, fetch data, start a local stack, regenerate cards, export
-the corpus as a dataset, explain documents.
+the corpus as a dataset, explain documents, list and tidy the artifact store.
 """
 
 from __future__ import annotations
@@ -200,6 +200,44 @@ def _export(args) -> int:
     return 0
 
 
+def _store_root(args) -> Path:
+    from moeflow import configs
+
+    return Path(args.store) if args.store else configs.load(args.config).store_path()
+
+
+def _ls(args) -> int:
+    from moeflow.lineage import housekeeping
+
+    root = _store_root(args)
+    rows = housekeeping.listing(root, args.stage, args.keep_latest)
+    head = ["stage", "artifact", "size", "age", "config", "used by (latest runs)"]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    unused = sum(r[5] == "-" for r in rows)
+    print(f"{len(rows)} artifacts in {root}; {unused} used by no config's latest run "
+          "(`moeflow gc` removes them)")
+    return 0
+
+
+def _gc(args) -> int:
+    from moeflow.lineage import housekeeping
+    from moeflow.lineage.artifacts import ArtifactError
+
+    try:
+        older = housekeeping.parse_age(args.older_than) if args.older_than else None
+        done = housekeeping.gc(_store_root(args), args.keep_latest, older, args.dry_run,
+                               wait=not args.no_wait)
+    except (ValueError, ArtifactError) as e:
+        print(f"moeflow gc: {e}", file=sys.stderr)
+        return 1
+    verb = "would free" if done["dry_run"] else "freed"
+    print(f"{done['artifacts']} artifacts and {done['stale']} stale staging folders: {verb} "
+          f"{done['bytes'] / 2**20:.1f} MB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -279,6 +317,33 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("out", metavar="OUT", help="a new folder")
     x.add_argument("--stage", default="decontaminate", choices=["ingest", "filter", "dedup", "decontaminate"])
     x.set_defaults(fn=_export)
+
+    ls_ = sub.add_parser(
+        "ls",
+        help="list the store's artifacts: size, age, config, and which configs' latest runs use them",
+        description="List every artifact in the store of --config (or --store): stage, artifact, size, age, "
+        "the config that built it, and the configs whose latest run uses it or an artifact downstream of "
+        "it (`-`: none; `moeflow gc` would remove it).",
+    )
+    ls_.add_argument("stage", nargs="?", metavar="STAGE", help="only this stage's artifacts")
+    gc_ = sub.add_parser(
+        "gc",
+        help="remove artifacts no kept run uses, and stale staging folders",
+        description="Remove the artifacts that the kept runs of no config use (each config's --keep-latest "
+        "runs, and everything upstream of what they used), optionally only those older than --older-than, "
+        "and the staging folders dead writers left. Holds the store's run lock exclusively: it waits "
+        "while any run uses the store (or stops, with --no-wait). Resumable training work is kept.",
+    )
+    gc_.add_argument("--older-than", metavar="AGE",
+                     help="only artifacts finished longer ago (30m, 12h, 7d, 2w)")
+    gc_.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    gc_.add_argument("--no-wait", action="store_true", help="stop with an error if a run is using the store")
+    for parser, fn in ((ls_, _ls), (gc_, _gc)):
+        parser.add_argument("--config", default="tiny", metavar="CONFIG", help="whose store (default: tiny)")
+        parser.add_argument("--store", metavar="DIR", help="a store folder, instead of --config's")
+        parser.add_argument("--keep-latest", type=int, default=1, metavar="N",
+                            help="runs kept per config (default 1)")
+        parser.set_defaults(fn=fn)
 
     e = sub.add_parser(
         "explain",

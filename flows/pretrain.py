@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
+from moeflow.lineage.artifacts import Store
 from moeflow.ops.logs import route_loguru
 from moeflow.tasks.pipeline import Pipeline
 
@@ -26,14 +27,16 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     cfg = configs.load(config)
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
     run = Pipeline(cfg, rerun=rerun or (), until=until)
-    card = dag(run, cfg)
-    summary = {
-        "config": cfg.name,
-        "store": str(cfg.store_path()),
-        "stages": run.stages,
-        "card": str(card.dir / "README.md") if card else None,
-    }
-    _record_run(cfg.store_path(), summary)
+    # `moeflow gc` waits while this run uses the store, and until its record names what it used
+    with Store(cfg.store_path()).in_use():
+        card = dag(run, cfg)
+        summary = {
+            "config": cfg.name,
+            "store": str(cfg.store_path()),
+            "stages": run.stages,
+            "card": str(card.dir / "README.md") if card else None,
+        }
+        _record_run(cfg.store_path(), summary)
     get_run_logger().info("moeflow %s: %s", cfg.name, summary["card"] or f"stopped after {until}")
     return summary
 

@@ -25,6 +25,7 @@ import xxhash
 
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
+RUN_LOCK = ".runs.lock"  # held shared by every run, exclusively by `moeflow gc`
 
 
 class ArtifactError(RuntimeError):
@@ -128,6 +129,31 @@ class Store:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the store's run lock shared while a run uses the store (any number of runs at once);
+        `moeflow gc` takes it exclusively, so it never removes what a running run may still read."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / RUN_LOCK, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            yield
+
+    @contextlib.contextmanager
+    def exclusive(self, wait: bool = True, say=print) -> Iterator[None]:
+        """Hold the store's run lock exclusively (`moeflow gc`): wait for the runs using the store to end,
+        or, with `wait=False`, raise ArtifactError saying they are there."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / RUN_LOCK, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise ArtifactError(f"the store {self.root} is in use by a running run; retry when it "
+                                        "has ended, or wait for it (without --no-wait)") from None
+                say(f"waiting for the runs using {self.root} to end ...")
+                fcntl.flock(f, fcntl.LOCK_EX)
+            yield
 
     def staging(self, stage: str) -> Path:
         parent = self.root / stage
