@@ -28,9 +28,12 @@ def _run(args) -> int:
     if not PREFECT_API_URL.value():
         # No server configured: start one temporary server for the run and hand its address to the shard
         # worker processes too; left alone, Prefect starts a temporary server in every worker (~190 MB
-        # and a few seconds each).
+        # and a few seconds each). Its telemetry off: its heartbeat races the run for the sqlite database
+        # and prints a "database is locked" traceback on runs that succeed.
         from prefect.server.api.server import SubprocessASGIServer
 
+        os.environ.setdefault("DO_NOT_TRACK", "1")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         server = SubprocessASGIServer()
         server.start(timeout=120)
         os.environ["PREFECT_API_URL"] = server.api_url
@@ -39,6 +42,9 @@ def _run(args) -> int:
             summary = pretrain(config=args.config, until=args.until, rerun=args.rerun or None)
     finally:
         if server:
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)  # the run's last logs, sent before their server goes
             server.stop()
     _print_summary(summary["stages"])
     print(summary["card"] or f"stopped after {args.until}")

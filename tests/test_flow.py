@@ -402,3 +402,22 @@ def test_datatrove_loguru_messages_reach_the_prefect_run_log(prefect_server):
     with get_client(sync_client=True) as client:
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
     assert "a message from loguru" in [entry.message for entry in logs]
+
+
+def test_moeflow_run_on_its_own_server_prints_no_traceback(smoke_data, tmp_path):
+    """`moeflow run` with no Prefect server configured starts a temporary one: a run that succeeds prints no
+    traceback (the server's telemetry once raced the run for sqlite) and no log error after the server
+    stops."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"))
+    drop = ("PREFECT_API_URL", "DO_NOT_TRACK", "PREFECT_SERVER_ANALYTICS_ENABLED")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"PREFECT_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "moeflow.cli", "run", str(cfg), "--until", "ingest"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "Traceback" not in out and "Error logging to API" not in out, out
+    assert "stopped after ingest" in done.stdout
