@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run test chaos fuzz bench gpu-check
+.PHONY: setup run ui test chaos fuzz bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(BIN)/moeflow
 run: setup
 	$(BIN)/moeflow fetch tiny
 	$(BIN)/moeflow up tiny
+
+# `make run`, leaving the Prefect server (its UI on 127.0.0.1) and worker running: `moeflow down` stops them
+ui: setup
+	$(BIN)/moeflow fetch tiny
+	$(BIN)/moeflow up tiny --keep
 
 test: setup
 	$(BIN)/ruff check .

@@ -115,20 +115,40 @@ def _up(args) -> int:
 
     store = configs.load(args.preset).store_path()
     home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
+    LocalStack.stop_kept(home)  # a stack an earlier `up --keep` left in this home
+    stack = LocalStack(home, ui=True)
     try:
-        with LocalStack(home) as stack:
-            print(
-                f"Prefect server {stack.api_url} (logs in {home}); running pretrain/{args.preset}", flush=True
-            )
-            rc, _, run_id = stack.run_deployment(f"pretrain/{args.preset}")
+        stack.start()
+        print(f"Prefect server {stack.api_url}, UI {stack.ui_url} (logs in {home}); running "
+              f"pretrain/{args.preset}", flush=True)
+        def announce(run_id: str) -> None:
+            print(f"flow run: {stack.flow_run_url(run_id)}", flush=True)
+
+        rc, _, run_id = stack.run_deployment(f"pretrain/{args.preset}", on_run=announce)
     except StackError as e:
+        stack.stop()
         print(f"moeflow up: {e}", file=sys.stderr)
         return 1
+    if args.keep:
+        stack.keep()
+        print(f"server and worker left running: the UI at {stack.ui_url}; stop them with `moeflow down`")
+    else:
+        stack.stop()
+        print(f"server stopped (its UI was at {stack.ui_url}; `moeflow up --keep` leaves it running)")
     if rc != 0 or run_id is None:
         print(f"moeflow up: the flow run failed (exit {rc}); see {home / 'worker.log'}", file=sys.stderr)
         return rc or 1
     summary = json.loads((store / "runs" / f"{run_id}.json").read_text())
     print(summary["card"])
+    return 0
+
+
+def _down(args) -> int:
+    from moeflow.lineage.record import PACKAGE_ROOT
+    from moeflow.ops.stack import LocalStack
+
+    kept = LocalStack.stop_kept(Path(args.home) if args.home else PACKAGE_ROOT / ".prefect")
+    print(f"stopped the stack at {kept['ui']}" if kept else "no stack left running by `moeflow up --keep`")
     return 0
 
 
@@ -292,15 +312,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser(
         "up",
-        help="start a local Prefect server and worker, run pretrain/PRESET as a deployment, stop",
-        description="Start a Prefect server on 127.0.0.1 and a process worker, deploy prefect.yaml, run "
-        "`prefect deployment run pretrain/PRESET --watch`, stop both, print the card path.",
+        help="start a local Prefect server (UI on 127.0.0.1) and worker, run pretrain/PRESET, stop",
+        description="Start a Prefect server on 127.0.0.1 (its UI on) and a process worker, deploy "
+        "prefect.yaml, run `prefect deployment run pretrain/PRESET --watch`, printing the flow run's UI "
+        "URL as soon as it exists, then stop both (unless --keep) and print the card path.",
     )
     u.add_argument("preset", nargs="?", default="tiny", metavar="PRESET")
     u.add_argument(
         "--home", metavar="DIR", help="PREFECT_HOME for the stack (default: .prefect in the checkout)"
     )
+    u.add_argument("--keep", action="store_true",
+                   help="leave the server (UI on 127.0.0.1) and worker running; `moeflow down` stops them")
     u.set_defaults(fn=_up)
+    d = sub.add_parser("down", help="stop the server and worker `moeflow up --keep` left running")
+    d.add_argument("--home", metavar="DIR",
+                   help="PREFECT_HOME given to `up` (default: .prefect in the checkout)")
+    d.set_defaults(fn=_down)
 
     c = sub.add_parser(
         "card",

@@ -8,6 +8,8 @@ exit stops the worker before the server, each by its PID (process group). Its st
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -21,7 +23,7 @@ from pathlib import Path
 from moeflow.lineage.record import PACKAGE_ROOT
 
 POOL = "moeflow"
-QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
+QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 class StackError(RuntimeError):
@@ -36,7 +38,8 @@ def free_port() -> int:
 
 class LocalStack:
     def __init__(
-        self, home: Path, *, port: int | None = None, root: Path = PACKAGE_ROOT, startup_timeout: float = 90
+        self, home: Path, *, port: int | None = None, root: Path = PACKAGE_ROOT, startup_timeout: float = 90,
+        ui: bool = False,
     ):
         self.home, self.root, self.startup_timeout = (
             Path(home).resolve(),
@@ -45,9 +48,11 @@ class LocalStack:
         )
         self.port = port or free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.ui_url = f"http://127.0.0.1:{self.port}" if ui else None
         self.env = {
             **os.environ,
             **QUIET,
+            "PREFECT_UI_ENABLED": "true" if ui else "false",
             "PREFECT_HOME": str(self.home),
             "PREFECT_API_URL": self.api_url,
             "MOEFLOW_ROOT": str(self.root),
@@ -116,9 +121,10 @@ class LocalStack:
         return self
 
     def run_deployment(
-        self, name: str, *, timeout: float | None = None, echo: bool = True
+        self, name: str, *, timeout: float | None = None, echo: bool = True, on_run=None
     ) -> tuple[int, str, str | None]:
-        """`prefect deployment run NAME --watch`: (exit code, output, flow run id)."""
+        """`prefect deployment run NAME --watch`: (exit code, output, flow run id); `on_run(id)` is called
+        as soon as the flow run's id is printed."""
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefect", "deployment", "run", name, "--watch"],
             env=self.env,
@@ -131,6 +137,9 @@ class LocalStack:
         deadline = None if timeout is None else time.monotonic() + timeout
         for line in proc.stdout:
             lines.append(line)
+            if on_run and (found := re.search(r"UUID:\s*([0-9a-f-]{36})", line)):
+                on_run(found.group(1))
+                on_run = None
             if echo:
                 sys.stdout.write(line)
                 sys.stdout.flush()
@@ -141,6 +150,31 @@ class LocalStack:
         out = "".join(lines)
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
         return rc, out, match.group(1) if match else None
+
+    def flow_run_url(self, run_id: str) -> str | None:
+        return f"{self.ui_url}/runs/flow-run/{run_id}" if self.ui_url else None
+
+    def keep(self) -> Path:
+        """Leave the server and worker running after this process: their PIDs go to `home/stack.json` for
+        `LocalStack.stop_kept` (`moeflow down`)."""
+        path = self.home / "stack.json"
+        path.write_text(json.dumps({"server": self.server.pid, "worker": self.worker.pid, "ui": self.ui_url,
+                                    "api": self.api_url}))
+        self.server = self.worker = None  # not ours to stop any more
+        return path
+
+    @staticmethod
+    def stop_kept(home: Path) -> dict | None:
+        """Stop a stack `keep` left running (worker first); None when none was kept in `home`."""
+        path = Path(home) / "stack.json"
+        if not path.exists():
+            return None
+        kept = json.loads(path.read_text())
+        for pid in (kept["worker"], kept["server"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        path.unlink()
+        return kept
 
     def stop(self) -> None:
         for proc in (self.worker, self.server):  # the worker first: it reports to the server
