@@ -790,6 +790,8 @@ def render_report(graph: dict[str, dict]) -> str:
     for name, r in graph.items():
         st = r["stage"]
         prev, changes = config_diff(r)
+        if st == "filter":
+            out += _waterfall_section(r)
         diff = (
             f"- config against the previous `{st}` artifact `{prev}`: "
             + ("; ".join(changes) or "unchanged (its inputs or the stage's code changed)")
@@ -824,6 +826,21 @@ def render_report(graph: dict[str, dict]) -> str:
     return "\n".join(out + drill_down(graph))
 
 
+def _waterfall_section(rec: dict) -> list[str]:
+    """The filter's documents per source and step, as a chart (`plots/filter_waterfall.png`) and a table."""
+    rows = plots.waterfall(rec["stats"], list(rec["config"].get("steps", [])))
+    if not rows:
+        return []
+    steps = [s for s, _, _ in next(iter(rows.values()))]
+    cells = [[src, *(f"{left} (-{rm})" if rm else str(left) for _, rm, left in series)]
+             for src, series in rows.items()]
+    table = _table(["source", *steps], cells)
+    return ["## Filter waterfall", "", f"![filter waterfall](plots/{plots.WATERFALL})", "",
+            "Documents left per source after each filter step, in the order the steps ran (-n: removed by "
+            "that step; a document is counted at the first step that rejects it). Tokens are not counted "
+            "here: filtering runs before tokenization.", "", table, ""]
+
+
 def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
     """One self-contained HTML page (card, then report); plots inlined as data URIs, nothing fetched."""
     import base64
@@ -834,6 +851,9 @@ def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
     for name in plots.PLOTS:
         data = base64.b64encode((plots_dir / name).read_bytes()).decode()
         body = body.replace(f"(plots/{name})", f"(data:image/png;base64,{data})")
+    if (plots_dir / plots.WATERFALL).exists():
+        data = base64.b64encode((plots_dir / plots.WATERFALL).read_bytes()).decode()
+        report_md = report_md.replace(f"(plots/{plots.WATERFALL})", f"(data:image/png;base64,{data})")
     dag = plots_dir.parent / DAG
     if dag.exists():
         report_md = report_md.replace(
@@ -869,6 +889,9 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     train = single(graph, "train")
     metrics = roots[0].parent.parent / "train" / _name(train["artifact"]) / "metrics.jsonl"
     plots.health(metrics, train["config"]["train"], out / "plots")
+    fil = single(graph, "filter")
+    plots.filter_waterfall(plots.waterfall(fil["stats"], list(fil["config"].get("steps", []))),
+                           out / "plots" / plots.WATERFALL)
     card_md, report_md = render_card(graph), render_report(graph)
     (out / CARD).write_text(card_md)
     (out / dataset.DATASET_CARD).write_text(dataset.render(graph))

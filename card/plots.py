@@ -107,3 +107,42 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     fig.savefig(out / "expert_load.png", dpi=90, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)
     return list(PLOTS)
+
+
+WATERFALL = "filter_waterfall.png"
+
+
+def waterfall(stats: dict, steps: list[str]) -> dict[str, list[tuple[str, int, int]]]:
+    """Per source, from the filter stage's stats: (step, documents it removed, documents left after it) in
+    the order the steps ran, after ("read", 0, documents in); drops no configured step names, as "other"."""
+    out = {}
+    for src, counts in sorted(stats.get("by_source", {}).items()):
+        left = counts.get("kept", 0) + sum(n for k, n in counts.items() if k.startswith("dropped:"))
+        rows = [("read", 0, left)]
+        for step in steps:
+            removed = sum(n for k, n in counts.items() if k.startswith(f"dropped:{step}."))
+            left -= removed
+            rows.append((step, removed, left))
+        if left != counts.get("kept", 0):
+            rows.append(("other", left - counts.get("kept", 0), counts.get("kept", 0)))
+        out[src] = rows
+    return out
+
+
+def filter_waterfall(rows: dict[str, list[tuple[str, int, int]]], path: Path) -> None:
+    """Documents left per source after each filter step, as grouped bars, the removed count on each."""
+    steps = [s for s, _, _ in next(iter(rows.values()))] if rows else ["read"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(steps)), 3.6))
+    width = 0.8 / max(1, len(rows))
+    for i, (src, series) in enumerate(rows.items()):
+        x = np.arange(len(series)) + i * width
+        bars = ax.bar(x, [left for _, _, left in series], width, label=src)
+        for bar, (_, removed, _) in zip(bars, series, strict=True):
+            if removed:
+                ax.annotate(f"-{removed}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(np.arange(len(steps)) + 0.4 - width / 2, steps, rotation=20, ha="right")
+    ax.set_ylabel("documents left")
+    ax.set_title("filter: documents left after each step, per source (-n: removed by the step)")
+    ax.legend(fontsize=7)
+    _save(fig, path)

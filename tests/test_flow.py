@@ -258,7 +258,8 @@ def test_card_plots_and_html_report_are_self_contained(cold):
         assert (card_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{name})" in (card_dir / card.CARD).read_text()
     html = (card_dir / card.HTML).read_text()
-    assert "<table>" in html and html.count("data:image/png;base64,") == len(card.plots.PLOTS)
+    # the health plots in the card, the filter waterfall in the report
+    assert "<table>" in html and html.count("data:image/png;base64,") == len(card.plots.PLOTS) + 1
     assert not re.search(r"""(src|href)=["'](https?:)?//""", html)  # nothing fetched from the network
     assert "Lineage report" in html and html.count("data:image/svg+xml;base64,") == 1
     svg = (card_dir / card.DAG).read_text()
@@ -421,3 +422,28 @@ def test_moeflow_run_on_its_own_server_prints_no_traceback(smoke_data, tmp_path)
     assert done.returncode == 0, out
     assert "Traceback" not in out and "Error logging to API" not in out, out
     assert "stopped after ingest" in done.stdout
+
+
+def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
+    """Per source, the documents left after each filter step in the report's table equal the filter's
+    ledger counts (read = kept + every drop; each step removes its own reasons); the chart is inlined."""
+    _, summary = cold
+    folder = Path(summary["card"]).parent
+    fil = json.loads((Path(summary["stages"]["filter"]["artifact"]) / "lineage.json").read_text())
+    report = (folder / card.REPORT).read_text()
+    steps = list(fil["config"]["steps"])
+    table = report.split("## Filter waterfall", 1)[1].split("\n|", 1)[1].split("\n\n", 1)[0]
+    header, _, *rows = ("|" + table).splitlines()
+    assert [c.strip() for c in header.strip("|").split("|")] == ["source", "read", *steps]
+    assert {r.split("|")[1].strip() for r in rows} == set(fil["stats"]["by_source"])
+    for row in rows:
+        src, *cells = [c.strip() for c in row.strip("|").split("|")]
+        counts = fil["stats"]["by_source"][src]
+        left = [int(c.split()[0]) for c in cells]
+        assert left[0] == sum(n for k, n in counts.items() if k == "kept" or k.startswith("dropped:"))
+        for i, step in enumerate(steps, start=1):
+            removed = sum(n for k, n in counts.items() if k.startswith(f"dropped:{step}."))
+            assert left[i - 1] - left[i] == removed, (src, step)
+        assert left[-1] == counts["kept"]
+    assert (folder / "plots" / "filter_waterfall.png").stat().st_size > 1000
+    assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
