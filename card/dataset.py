@@ -9,7 +9,6 @@ dataset `datasets.load_from_disk(out)` opens, with `README.md` as its card.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from moeflow.card import RUN_RECORD, _dedup_section, _fates, _filter_section, _t
 DATASET_CARD = "dataset_card.md"
 STAGES = ("ingest", "filter", "dedup", "decontaminate")
 COLUMNS = ("id", "text", "source", "domain", "license")
-EXPORTABLE = STAGES  # the stages whose artifact is documents (docs.parquet)
 SIZES = ((1e3, "n<1K"), (1e4, "1K<n<10K"), (1e5, "10K<n<100K"), (1e6, "100K<n<1M"), (1e7, "1M<n<10M"),
          (1e8, "10M<n<100M"), (1e9, "100M<n<1B"), (1e10, "1B<n<10B"), (1e11, "10B<n<100B"),
          (1e12, "100B<n<1T"))
@@ -63,9 +61,9 @@ def metadata(graph: dict[str, dict]) -> DatasetCardData:
 
 def render(graph: dict[str, dict]) -> str:
     """The dataset card of the documents the graph's last data stage kept."""
-    last = _last(graph)
+    last, data = _last(graph), metadata(graph)
     body = [
-        f"# {metadata(graph).pretty_name}",
+        f"# {data.pretty_name}",
         "",
         f"The documents kept by the `{last['stage']}` stage of moeflow's `{last['run_config']}` config: "
         f"{last['stats']['documents_out']:,} documents with columns {', '.join(f'`{c}`' for c in COLUMNS)}. "
@@ -81,7 +79,6 @@ def render(graph: dict[str, dict]) -> str:
         *_limitations(graph),
         *_run_record(graph),
     ]
-    data = metadata(graph)
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n").content
 
 
@@ -163,9 +160,9 @@ def export(artifact_dir: Path, out: Path) -> dict:
     artifact_dir, out = Path(artifact_dir).resolve(), Path(out)
     graph = collect([artifact_dir])
     stage = json.loads((artifact_dir / "lineage.json").read_text())["stage"]
-    if stage not in EXPORTABLE:
+    if stage not in STAGES:  # the stages whose artifact is documents
         raise ValueError(f"{artifact_dir} is a `{stage}` artifact; export takes one of "
-                         + ", ".join(EXPORTABLE))
+                         + ", ".join(STAGES))
     if out.exists():
         raise FileExistsError(f"{out} exists: export writes a new folder (remove it or choose another)")
     licenses = {n: s["license"] for n, s in single(graph, "ingest")["stats"]["sources"].items()}
@@ -176,8 +173,7 @@ def export(artifact_dir: Path, out: Path) -> dict:
             _rows, features=features, cache_dir=tmp,
             gen_kwargs={"folder": str(artifact_dir), "licenses": licenses})
         ds.save_to_disk(str(out))
-        del ds
-        shutil.rmtree(tmp, ignore_errors=True)
+        del ds  # its cache files in `tmp` closed before the folder goes
     (out / "README.md").write_text(render(graph))
     return {"documents": single(graph, stage)["stats"]["documents_out"], "path": str(out)}
 
