@@ -25,11 +25,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
-from tqdm import tqdm
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
 from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.lineage.ledger import Ledger
+from moeflow.ops import progress
+from moeflow.ops.progress import tqdm
 from moeflow.sources import fetch
 
 _WORD = re.compile(r"\w+")
@@ -162,7 +163,7 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
     item_rows: dict[str, list] = {"benchmark": [], "split": [], "item_id": []}
     hashes, owners = [], []
     per_bench: dict[str, dict] = {}
-    for bench in benchmarks:
+    for bench in tqdm(benchmarks, desc=progress.task_name("benchmarks"), unit="benchmark"):
         stats = per_bench.setdefault(bench.name, {"items": 0, "items_too_short": 0, "ngrams": 0,
                                                    "split": bench.split, "package": bench.package,
                                                    "path": bench.path})

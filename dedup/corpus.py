@@ -30,12 +30,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
-from tqdm import tqdm
 
 from moeflow.configs import DedupConfig
 from moeflow.dedup import minhash
 from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.lineage.ledger import Ledger
+from moeflow.ops.progress import tqdm
 
 _SPACE = re.compile(r"\s+")
 EXACT = pa.schema([("hash", pa.uint64()), ("id", pa.string()), ("pos", pa.int64())])

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from datatrove.data import Document
 from datatrove.pipeline import filters as dt
-from tqdm import tqdm
 
 from moeflow.configs import DATATROVE_FILTERS, FilterConfig
 from moeflow.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.lineage.ledger import Ledger
+from moeflow.ops.progress import tqdm
 
 Verdict = bool | tuple[bool, str]
 Check = Callable[[Document], Verdict]

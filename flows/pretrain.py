@@ -13,7 +13,7 @@ from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
 from moeflow.lineage.artifacts import Store
-from moeflow.ops.logs import route_loguru
+from moeflow.ops.logs import route_loguru, route_moeflow_logs
 from moeflow.tasks.pipeline import Pipeline
 
 
@@ -24,6 +24,7 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     `rerun` refreshes stages, `until` stops early.
     """
     route_loguru()  # datatrove's loguru messages into this run's Prefect log
+    route_moeflow_logs()  # and moeflow's warnings: training alarms show in the UI as they fire
     cfg = configs.load(config)
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
     run = Pipeline(cfg, rerun=rerun or (), until=until)

@@ -30,6 +30,8 @@ from moeflow.documents import DocWriter, iter_docs, join
 from moeflow.ingest import hf
 from moeflow.lineage import ledger as ledgers
 from moeflow.lineage.ledger import Ledger
+from moeflow.ops import progress
+from moeflow.ops.progress import tqdm
 from moeflow.sources import cache_dir, fetch
 
 log = logging.getLogger(__name__)
@@ -647,8 +649,10 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
     ledger = Ledger("ingest", out)
     per_source: dict[str, dict] = {}
     n_in = 0
-    with DocWriter(out) as writer:
+    with DocWriter(out) as writer, tqdm(total=sum(u.size for u in mine), desc=progress.task_name("ingest"),
+                                        unit="B", unit_scale=True, mininterval=5) as bar:
         for unit in mine:
+            bar.update(unit.size)  # as it starts: a unit is read whole
             rs = sources[unit.source]
             stats = per_source.setdefault(rs.config.name, _source_stats(rs))
             if unit.first:  # a file is counted by the shard reading its start

@@ -20,6 +20,8 @@ PACKAGE = "moeflow"
 # Modules that are data, not code: the registry's pins and extraction rules enter a stage's key as the
 # fetched identities of the packages it reads, so a bumped pin rebuilds only the stages reading it.
 DATA_MODULES = frozenset({"moeflow.sources.registry"})
+# Modules that only report (live progress in the Prefect UI) and never shape an artifact: not in keys.
+REPORTING_MODULES = frozenset({"moeflow.ops.progress", "moeflow.moe.live"})
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -95,7 +97,7 @@ def closure(module: str) -> dict[str, str]:
             continue
         digest, imports = _parsed(name)
         seen[name] = digest
-        todo += sorted(imports - set(seen) - DATA_MODULES)
+        todo += sorted(imports - set(seen) - DATA_MODULES - REPORTING_MODULES)
     return {k: seen[k] for k in sorted(seen) if seen[k]}
 
 

@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from moeflow.configs import ModelConfig, TrainConfig, TrainStageConfig
 from moeflow.moe import train
+from moeflow.ops import progress
 
 log = logging.getLogger(__name__)
 SPEC, RESULT = "launch.json", "launch-result.json"
@@ -129,7 +130,8 @@ def torchrun(
         shlex.join(cmd),
     )
     cores = os.cpu_count() or 1
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // cfg.distributed.nproc_per_node))}
+    env = {**os.environ, **progress.child_env(),  # rank 0 updates this task run's progress and table
+           "OMP_NUM_THREADS": str(max(1, cores // cfg.distributed.nproc_per_node))}
     tail: deque[str] = deque(maxlen=60)
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent

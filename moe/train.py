@@ -27,11 +27,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
-from moeflow.moe import checkpoint, device, ladder, parallel
+from moeflow.moe import checkpoint, device, ladder, live, parallel
 from moeflow.moe.model import Transformer
+from moeflow.ops import progress
+from moeflow.ops.progress import tqdm
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
@@ -296,10 +297,12 @@ def run(
     alarms_path = work / "alarms.jsonl"
     all_alarms = _truncate_jsonl(alarms_path, start, world)
     tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None) if main else None
+    name = progress.task_name("train")  # `rung0` for a ladder rung
+    table = live.LiveTable(name, cfg.steps, cfg.log_every, work / "tensorboard") if main else None
     with (
         open(metrics_path, "a") if main else open(os.devnull, "w") as log_f,
         tqdm(
-            total=cfg.steps, initial=start, desc="train", unit="step", mininterval=5, disable=not main
+            total=cfg.steps, initial=start, desc=name, unit="step", mininterval=5, disable=not main
         ) as bar,
     ):
         for step in range(start, cfg.steps):
@@ -406,6 +409,8 @@ def run(
                     raise TrainingAlarm(f"step {step + 1}: {alarm}")
             log_f.write(json.dumps(record) + "\n")
             log_f.flush()
+            if table is not None:
+                table.step(record, alarms)
             if tb is not None:
                 for key in (
                     "loss",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 _ROUTED = False
 
@@ -32,3 +33,19 @@ def route_loguru(level: str = "INFO") -> None:
     logger.remove()
     logger.add(_sink, level=level, format="{message}")
     _ROUTED = True
+
+
+EXTRA = "PREFECT_LOGGING_EXTRA_LOGGERS"
+
+
+def route_moeflow_logs() -> None:
+    """moeflow's warnings (a training alarm, quarantined input) into the Prefect run's log, shown in the UI
+    as they happen: here, and in the processes this one starts (which read the setting when they start)."""
+    from prefect.logging.handlers import APILogHandler
+
+    names = [n.strip() for n in os.environ.get(EXTRA, "").split(",") if n.strip()]
+    if "moeflow" not in names:
+        os.environ[EXTRA] = ",".join([*names, "moeflow"])
+    logger = logging.getLogger("moeflow")
+    if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+        logger.addHandler(APILogHandler())

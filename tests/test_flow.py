@@ -447,3 +447,88 @@ def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
         assert left[-1] == counts["kept"]
     assert (folder / "plots" / "filter_waterfall.png").stat().st_size > 1000
     assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
+
+
+def _flow_run_artifacts(summary: dict, run_id: str | None = None) -> list:
+    """The Prefect artifacts of flow run `run_id`, by default the one that trained `summary`'s model."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    if run_id is None:
+        train = Path(summary["stages"]["train"]["artifact"])
+        run_id = json.loads((train / "lineage.json").read_text())["prefect"]["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+
+
+def test_long_stages_show_progress_artifacts_that_reach_100(cold):
+    """Every long stage (each part of a sharded one, the benchmark index, training) has a progress artifact on
+    the flow run, finished at 100%, its description counting what was done."""
+    progress = [a for a in _flow_run_artifacts(cold[1]) if a.type == "progress"]
+    keys = {a.key for a in progress}
+    for stage in ("ingest", "filter", "dedup-sign", "benchmarks", "decontaminate", "tokenize", "overlap", "train"):
+        assert any(k.startswith(stage) for k in keys), (stage, keys)
+    assert all(a.data == 100 for a in progress), {a.key: a.data for a in progress}
+    train = next(a for a in progress if a.key == "train")
+    assert train.description == "train: 40 of 40 steps"
+
+
+def test_training_shows_a_live_table_with_alarms_and_tensorboard(cold):
+    """The training table (one artifact, updated in place) ends on the last step: its rows are the logged
+    steps of metrics.jsonl, newest first, and it names the TensorBoard folder."""
+    tables = [a for a in _flow_run_artifacts(cold[1]) if a.key == "train-live"]
+    assert len(tables) == 1 and tables[0].type == "markdown"
+    md = tables[0].data
+    metrics = Path(cold[1]["stages"]["train"]["artifact"]) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    logged = [r for r in records if r["step"] % 10 == 0]
+    rows = [line.split(" | ") for line in md.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [int(r[0].strip("| ")) for r in rows] == [r["step"] for r in reversed(logged)]
+    assert [r[2] for r in rows] == [f"{r['loss']:.4f}" for r in reversed(logged)]
+    assert md.startswith("### train: step 40 of 40 (100%)")
+    assert re.search(r"tensorboard --logdir \S+\.work/tensorboard", md)
+
+
+def test_training_alarms_show_in_the_live_table_and_the_run_log_as_they_fire(cold, tmp_path):
+    """Alarms set to fire on any grad-norm rise: each one is listed in the live table and sent to the
+    flow run's log (the UI's Logs tab) by the training step that raised it."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.context import get_run_context
+    from prefect.logging.handlers import APILogHandler
+
+    from moeflow import configs
+    from moeflow.configs import AlarmConfig
+    from moeflow.moe import train
+    from moeflow.ops.logs import route_moeflow_logs
+
+    cfg = configs.load(str(cold[0]))
+    touchy = AlarmConfig(window=2, grad_norm_sigma=0.001, grad_norm_ratio=1.0)
+    train_cfg = cfg.train.model_copy(update={"steps": 12, "log_every": 4, "alarms": touchy})
+    stages = cold[1]["stages"]
+
+    @task(task_run_name="watched")
+    def trains(out: Path) -> dict:
+        return train.run(cfg.model, train_cfg, seed=1, mix_dir=Path(stages["mix"]["artifact"]),
+                         tokenizer_dir=Path(stages["tokenizer"]["artifact"]), out=out)
+
+    @flow
+    def watched(out: Path) -> tuple[str, dict]:
+        route_moeflow_logs()
+        return str(get_run_context().flow_run.id), trains(out)
+
+    run_id, summary = watched(tmp_path / "out")
+    APILogHandler().flush()
+    alarms = summary["alarms"]
+    assert alarms, "the touchy thresholds should fire"
+    with get_client(sync_client=True) as client:
+        logs = [e.message for e in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[run_id])))]
+    table = _flow_run_artifacts({}, run_id)
+    md = next(a for a in table if a.key == "watched-live").data
+    assert f"**Alarms ({len(alarms)})**" in md
+    for a in alarms[-10:]:
+        assert f"- step {a['step']}: {a['alarm']}" in md
+    for a in alarms:
+        assert f"train: step {a['step']} alarm {a['alarm']}" in logs

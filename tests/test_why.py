@@ -252,6 +252,10 @@ def test_code_closure_follows_imports_inside_functions_too():
     assert "moeflow.sources.registry" not in code.closure("moeflow.sources.stage")  # data: keyed as fetched
     # ingest imports nothing of dedup: a dedup edit cannot reach it
     assert not any(m.startswith("moeflow.dedup") for m in code.closure("moeflow.ingest"))
+    # what only reports to the UI (progress bars, the live training table) shapes no artifact
+    assert "moeflow.moe.train" in code.closure("moeflow.moe.launch")
+    for reporting in ("moeflow.ops.progress", "moeflow.moe.live"):
+        assert all(reporting not in code.closure(m) for m in ("moeflow.moe.launch", "moeflow.ingest"))
 
 
 def test_explain_lists_each_kind_of_change():

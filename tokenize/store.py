@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from moeflow.configs import TokenizerConfig
 from moeflow.documents import count_docs, iter_docs
+from moeflow.ops.progress import tqdm
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 INDEX = "index.parquet"
