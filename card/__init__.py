@@ -737,10 +737,24 @@ def drill_down(graph: dict[str, dict], per_shard: int = 3) -> list[str]:
     return out + ["", "`moeflow explain DOC_ID` follows any document through every stage.", ""]
 
 
+def last_run(graph: dict[str, dict]) -> tuple[str | None, set[str]]:
+    """The flow run that built the newest artifact of `graph` (the run that made this card, unless only the
+    card itself changed), and the artifacts it built; the others it reused from earlier runs."""
+    newest = max(graph.values(), key=lambda r: (r["finished_at"], r["started_at"]))
+    run = newest["prefect"].get("flow_run_id")
+    return run, {n for n, r in graph.items() if run and r["prefect"].get("flow_run_id") == run}
+
+
+SVG_STYLE = {True: 'fill="#e3f4e6" stroke="#2e7d32"',  # rebuilt by the last run
+             False: 'fill="#f2f2f2" stroke="#8a8a8a" stroke-dasharray="4 3"'}  # reused
+
+
 def dag_svg(graph: dict[str, dict]) -> str:
-    """The artifact graph as a standalone SVG: a box per artifact (stage and hash), a column per depth
-    (longest path from a source), an arrow per artifact read."""
+    """The artifact graph as a standalone SVG: a box per artifact (stage, hash, and whether the last run
+    built or reused it), a column per depth (longest path from a source), an arrow per artifact read."""
     from html import escape
+
+    run, built = last_run(graph)
 
     ups = {n: _upstream(graph, r) for n, r in graph.items()}
     depth: dict[str, int] = {}
@@ -749,10 +763,10 @@ def dag_svg(graph: dict[str, dict]) -> str:
     columns: dict[int, list[str]] = {}
     for n in graph:
         columns.setdefault(depth[n], []).append(n)
-    w, h, dx, dy, pad = 130, 34, 170, 50, 10
+    w, h, dx, dy, pad = 130, 46, 170, 62, 10
     pos = {n: (pad + d * dx, pad + i * dy) for d, names in columns.items() for i, n in enumerate(names)}
     width = pad * 2 + max(columns) * dx + w
-    height = pad * 2 + max(len(v) for v in columns.values()) * dy - (dy - h)
+    height = pad * 2 + max(len(v) for v in columns.values()) * dy - (dy - h) + 30
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
         'font-size="11"><defs><marker id="a" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
@@ -768,27 +782,42 @@ def dag_svg(graph: dict[str, dict]) -> str:
             )
     for n, (x, y) in pos.items():
         parts.append(
-            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="#eef3fb" stroke="#4a6fa5"/>'
+            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" {SVG_STYLE[n in built or not run]}/>'
             f'<text x="{x + w / 2}" y="{y + 14}" text-anchor="middle" font-weight="bold">'
             f"{escape(graph[n]['stage'])}</text>"
             f'<text x="{x + w / 2}" y="{y + 27}" text-anchor="middle" fill="#555">'
             f"{escape(graph[n]['artifact']['hash'][:12])}</text>"
+            f'<text x="{x + w / 2}" y="{y + 40}" text-anchor="middle" fill="#555" font-style="italic">'
+            f"{('rebuilt' if n in built else 'reused') if run else ''}</text>"
         )
+    legend = f"last run: flow run {run}" if run else "no Prefect flow run recorded"
+    parts.append(
+        f'<g transform="translate({pad},{height - 18})"><rect width="12" height="12" {SVG_STYLE[True]}/>'
+        f'<text x="16" y="10">rebuilt by the last run</text><rect x="170" width="12" height="12" '
+        f'{SVG_STYLE[False]}/><text x="186" y="10">reused from an earlier run</text>'
+        f'<text x="370" y="10" fill="#555">({escape(legend)})</text></g>'
+    )
     return "\n".join(parts + ["</svg>", ""])
 
 
 def render_report(graph: dict[str, dict]) -> str:
     """Every artifact's config, inputs, code, run and stats, upstream first, then the drill-down."""
+    run, built = last_run(graph)
     out = [
         "# Lineage report",
         "",
-        f"![artifact graph: each box a stage and its artifact hash]({DAG})",
+        f"![artifact graph: a box per stage, its artifact hash, and whether the last run rebuilt it]({DAG})",
+        "",
+        f"Last run (flow run `{run}`): {len(built)} artifact(s) rebuilt, {len(graph) - len(built)} reused "
+        "from earlier runs." if run else "No Prefect flow run is recorded for these artifacts.",
         "",
         "Artifacts, upstream first: " + " → ".join(graph),
         "",
     ]
     for name, r in graph.items():
         st = r["stage"]
+        by = r["prefect"].get("flow_run_id")
+        fate = "rebuilt" if name in built else f"reused (built by flow run `{by}`)"
         prev, changes = config_diff(r)
         if st == "filter":
             out += _waterfall_section(r)
@@ -801,6 +830,7 @@ def render_report(graph: dict[str, dict]) -> str:
         out += [
             f"## {st}: `{name}`",
             "",
+            f"- last run: {fate}",
             f"- content hash: `{r['artifact']['content_hash']}`; code `{r['code']['source_hash']}`",
             "- inputs: " + (", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none"),
             f"- code: commit `{r['code']['commit']}`"

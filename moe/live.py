@@ -9,7 +9,7 @@ from pathlib import Path
 from moeflow.ops import progress
 
 COLUMNS = ("step", "phase", "loss", "grad norm", "lr", "tokens/s", "MFU", "token drop",
-           "expert imbalance per layer (max/mean)")
+           "imbalance per layer (max/mean)")
 
 
 def _row(r: dict) -> list[str]:
@@ -39,12 +39,12 @@ class LiveTable:
                             f"loss {last['loss']:.4f}, {len(self.alarms)} alarm(s)", force=True)
 
     def markdown(self) -> str:
-        last = self.rows[-1]
-        out = [f"### {self.name}: step {last['step']:,} of {self.steps:,} ({last['step'] / self.steps:.0%})", "",
+        step = self.rows[-1]["step"]
+        out = [f"### {self.name}: step {step:,} of {self.steps:,} ({step / self.steps:.0%})", "",
                "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         out += ["| " + " | ".join(_row(r)) + " |" for r in reversed(self.rows)]
         out += ["", f"**Alarms ({len(self.alarms)})**" if self.alarms else "**Alarms:** none so far."]
         out += [f"- step {a['step']}: {a['alarm']}" for a in self.alarms[-10:]]
-        out += ["", "TensorBoard for this run (while it trains; the artifact's `tensorboard/` once it ends):", "",
-                f"    tensorboard --logdir {self.tensorboard}"]
+        out += ["", "TensorBoard for this run (while it trains; the artifact's `tensorboard/` once it ends):",
+                "", f"    tensorboard --logdir {self.tensorboard}"]
         return "\n".join(out)

@@ -17,7 +17,8 @@ import time
 from tqdm import tqdm as _tqdm
 
 log = logging.getLogger(__name__)
-ENV_TASK, ENV_FLOW, ENV_NAME = "MOEFLOW_PREFECT_TASK_RUN", "MOEFLOW_PREFECT_FLOW_RUN", "MOEFLOW_PREFECT_TASK_NAME"
+ENV_TASK, ENV_FLOW = "MOEFLOW_PREFECT_TASK_RUN", "MOEFLOW_PREFECT_FLOW_RUN"
+ENV_NAME = "MOEFLOW_PREFECT_TASK_NAME"
 
 
 def _context() -> tuple[str | None, str | None, str | None]:
@@ -104,7 +105,11 @@ class tqdm(_tqdm):  # noqa: N801 - a drop-in for tqdm.tqdm
 
     def _report(self, force: bool = False) -> None:
         done = min(self.n, self.total)
-        text = f"{self.desc or 'progress'}: {done:,} of {self.total:,} {self.unit}s"
+        if self.unit_scale:  # bytes: "1.34MB of 2.10MB"
+            text = f"{self.format_sizeof(done)}{self.unit} of {self.format_sizeof(self.total)}{self.unit}"
+        else:
+            text = f"{done:,} of {self.total:,} {self.unit}s"
+        text = f"{self.desc or 'progress'}: {text}"
         self._artifact.send(round(100.0 * done / self.total, 2), text, force)
 
     def update(self, n=1):

@@ -23,6 +23,8 @@ from pathlib import Path
 from moeflow.lineage.record import PACKAGE_ROOT
 
 POOL = "moeflow"
+# the watch prints every event of the run: a progress artifact's update (every two seconds a bar) is one
+_NOISE = re.compile(r"^(●.*prefect\.artifact\.(created|updated)\b.*|prefect\.artifact\.[0-9a-f-]{36})\s*$")
 QUIET = {"DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
@@ -140,7 +142,7 @@ class LocalStack:
             if on_run and (found := re.search(r"UUID:\s*([0-9a-f-]{36})", line)):
                 on_run(found.group(1))
                 on_run = None
-            if echo:
+            if echo and not _NOISE.match(line):
                 sys.stdout.write(line)
                 sys.stdout.flush()
             if deadline and time.monotonic() > deadline:

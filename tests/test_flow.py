@@ -45,6 +45,7 @@ def test_cold_run_builds_every_stage_and_trains(cold):
     assert not any(s["reused"] for s in summary["stages"].values())
     train = json.loads((Path(summary["stages"]["train"]["artifact"]) / "lineage.json").read_text())["stats"]
     assert train["loss_fell"] and train["final_loss"] < train["initial_loss"]
+    _report_shows_what_the_run_rebuilt(Path(summary["stages"]["card"]["artifact"]), summary["stages"])
 
 
 def test_card_reports_what_the_lineage_holds(cold):
@@ -134,6 +135,19 @@ def test_new_mix_weights_rerun_only_mix_and_downstream(cold, tmp_path):
     for stage in ("mix", "train", "evaluate", "card"):
         assert not out["stages"][stage]["reused"], stage
         assert out["stages"][stage]["hash"] != first["stages"][stage]["hash"]
+    _report_shows_what_the_run_rebuilt(Path(out["stages"]["card"]["artifact"]), out["stages"])
+
+
+def _report_shows_what_the_run_rebuilt(folder: Path, stages: dict) -> None:
+    """The card's report and graph mark each artifact of the run's record rebuilt or reused, as it was."""
+    report, svg = (folder / card.REPORT).read_text(), (folder / card.DAG).read_text()
+    whole = {s: v for s, v in stages.items() if "[" not in s and s != "card"}
+    for stage, v in whole.items():
+        section = report.split(f"## {stage}: `{stage}-{v['hash']}`\n", 1)[1].split("\n## ", 1)[0]
+        assert ("- last run: reused" if v["reused"] else "- last run: rebuilt\n") in section, stage
+    rebuilt = sum(not v["reused"] for v in whole.values())
+    assert f"{rebuilt} artifact(s) rebuilt, {len(whole) - rebuilt} reused" in report
+    assert svg.count(">rebuilt</text>") == rebuilt and svg.count(">reused</text>") == len(whole) - rebuilt
 
 
 def test_rerun_dedup_keeps_downstream_when_output_is_unchanged(cold):
@@ -466,7 +480,8 @@ def test_long_stages_show_progress_artifacts_that_reach_100(cold):
     the flow run, finished at 100%, its description counting what was done."""
     progress = [a for a in _flow_run_artifacts(cold[1]) if a.type == "progress"]
     keys = {a.key for a in progress}
-    for stage in ("ingest", "filter", "dedup-sign", "benchmarks", "decontaminate", "tokenize", "overlap", "train"):
+    long = ("ingest", "filter", "dedup-sign", "benchmarks", "decontaminate", "tokenize", "overlap", "train")
+    for stage in long:
         assert any(k.startswith(stage) for k in keys), (stage, keys)
     assert all(a.data == 100 for a in progress), {a.key: a.data for a in progress}
     train = next(a for a in progress if a.key == "train")
