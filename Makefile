@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run ui test chaos fuzz bench gpu-check
+.PHONY: setup run ui test browser chaos fuzz bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +27,19 @@ ui: setup
 	$(BIN)/moeflow fetch tiny
 	$(BIN)/moeflow up tiny --keep
 
-test: setup
+test: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest
 
+
+# Debian's chromium for the browser test in tests/test_e2e.py, where apt-get runs as root; elsewhere that test
+# is skipped and says why
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; }; } || \
+	  echo "chromium is not installed and cannot be here: the browser test will be skipped"
 
 # fault tolerance: SIGKILL inside each stage (two seeds each), rerun, compare with an uninterrupted run
 chaos: setup
