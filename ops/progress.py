@@ -42,8 +42,12 @@ def task_name(default: str) -> str:
 
 def child_env() -> dict[str, str]:
     """Environment entries that let a child process (a torchrun rank) report to this task run."""
+    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
+
     task_id, flow_id, name = _context()
-    env = {ENV_TASK: task_id, ENV_FLOW: flow_id, ENV_NAME: name}
+    # the API this process talks to, which may come from a settings context rather than the environment
+    env = {ENV_TASK: task_id, ENV_FLOW: flow_id, ENV_NAME: name, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_API_KEY": PREFECT_API_KEY.value()}
     # a rank has no run context for Prefect's log handler: its warnings go to its output, read by the parent
     return {k: v for k, v in env.items() if v} | {"PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"}
 

@@ -194,6 +194,9 @@ def test_train_stage_launches_torchrun_and_matches_the_single_process_run(cold, 
     text = Path(out["card"]).read_text()
     assert "### Ranks" in text and "experts split 2 per rank" in text
     assert "share of step time in the token all-to-all, per rank" in text.split(card.RUN_RECORD)[1]
+    # rank 0, a process Prefect did not start, updated the train task run's progress and live table
+    arts = {a.key: a for a in _flow_run_artifacts(out)}
+    assert arts["train"].data == 100 and arts["train-live"].data.startswith("### train: step 40 of 40")
 
 
 def test_source_matching_nothing_fails_before_any_work(prefect_server, tmp_path):

@@ -86,3 +86,19 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
     assert f"| predicted | {prediction['predicted_final_loss']} " in text and "relative error" in text
     metrics = (Path(out["stages"]["train"]["artifact"]) / "metrics.jsonl").read_text().splitlines()
     assert "ladder_band" in json.loads(metrics[-1])
+    _rungs_show_progress_in_the_ui(lin)
+
+
+def _rungs_show_progress_in_the_ui(lin: dict) -> None:
+    """Each rung's task run has its own progress artifact at 100% and its own live training table."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
+
+    with get_client(sync_client=True) as client:
+        for i in range(3):
+            task_run = lin[f"rung{i}"]["prefect"]["task_run_id"]
+            arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                task_run_id=ArtifactFilterTaskRunId(any_=[task_run])))
+            by_key = {a.key: a for a in arts}
+            assert by_key[f"rung{i}"].type == "progress" and by_key[f"rung{i}"].data == 100
+            assert by_key[f"rung{i}-live"].data.startswith(f"### rung{i}: step ")
