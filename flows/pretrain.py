@@ -33,6 +33,7 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
         card = dag(run, cfg)
         summary = {
             "config": cfg.name,
+            "flow_run_id": _flow_run_id(),
             "store": str(cfg.store_path()),
             "stages": run.stages,
             "card": str(card.dir / "README.md") if card else None,
@@ -60,7 +61,7 @@ def dag(run, cfg: configs.RunConfig):
     # registered before train
     prediction = run.subflow(ladder, cfg, mixed, shards, tok) if cfg.ladder and mixed else None
     model = run("train", mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
-    evals = run("evaluate", model=model, mix=mixed)
+    evals = run("evaluate", model=model, mix=mixed, tokenizer=tok, index=index)  # index: benchmark scores
     # the card reads the whole graph: its key follows train too (whose bytes change whenever it reruns),
     # not only evaluate, whose bytes stay the same when, say, only the ladder changed
     return run("card", evaluate=evals, overlap=leftover, model=model, sources=src)
@@ -84,12 +85,15 @@ def ladder(run, cfg, mixed, shards, tok):
     return run("ladder", tokenizer=tok, **rungs)
 
 
-def _record_run(store: Path, summary: dict) -> None:
+def _flow_run_id() -> str:
     ctx = FlowRunContext.get()
-    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
+    return str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
+
+
+def _record_run(store: Path, summary: dict) -> None:
     runs = store / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    (runs / f"{run_id}.json").write_text(json.dumps(summary, indent=2))
+    (runs / f"{summary['flow_run_id']}.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

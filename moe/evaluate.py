@@ -1,4 +1,11 @@
-"""Evaluation: held-out cross-entropy per domain on the mix's held-out sequences."""
+"""Evaluation: held-out cross-entropy per domain on the mix's held-out sequences, and benchmark scores.
+
+Benchmark requests (`moe.formats`) are scored as lm-evaluation-harness's causal models score them:
+trailing spaces of the context move to the continuation, the two are encoded together and split at the
+context's length, an input longer than the model's window keeps its right end, and a continuation's
+log-likelihood is the sum over its tokens (greedy when each is the argmax); `moe.scores` turns them into
+metrics.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +14,41 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from moeflow.configs import EvalConfig, ModelConfig
-from moeflow.moe import device
+from moeflow.moe import device, scores
 from moeflow.moe.model import Transformer
 from moeflow.moe.train import lm_loss, sequences
 from moeflow.tokenize import mix
 
+BATCH = 32  # benchmark requests a forward pass
+
 
 def stage(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
-    """The `evaluate` stage's body: the `model` input's final weights on the `mix` input's held-out set."""
-    return run(cfg, train_dir=inputs["model"].dir, mix_dir=inputs["mix"].dir, out=out)
+    """The `evaluate` stage's body: the `model` input's final weights on the `mix` input's held-out set,
+    and on the benchmark index's scorable items."""
+    stats = run(cfg, train_dir=inputs["model"].dir, mix_dir=inputs["mix"].dir, out=out)
+    if cfg.benchmark_items and "index" in inputs:
+        stats["benchmarks"] = benchmarks(cfg, inputs, out)
+    return stats
+
+
+@torch.no_grad()
+def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
+    from moeflow.tokenize import tokenizer
+
+    dev = device.resolve("auto")
+    # float64: a request's log-likelihood must not depend on the batch it was padded into (float32 sums
+    # of ~100-nat continuations differ by more than 1e-5 between batch shapes)
+    model = load_model(inputs["model"].dir).to(dev).double()
+    window = json.loads((inputs["model"].dir / "model_config.json").read_text())["max_seq_len"]
+    tok = tokenizer.load(inputs["tokenizer"].dir)
+    return score(model, tok, tok.token_to_id(tokenizer.EOS), window, dev, inputs["index"].dir,
+                 cfg.benchmark_items, cfg.benchmark_seed, out)
 
 
 def load_model(train_dir: Path) -> Transformer:
@@ -51,3 +80,55 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
         }
     (out / "eval.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"heldout": results}
+
+
+def encode_pair(tok, context: str, continuation: str, eos: int) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as lm-eval's `TemplateLM._encode_pair` splits them."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    if not context:
+        return [eos], tok.encode(continuation, add_special_tokens=False).ids
+    whole = tok.encode(context + continuation, add_special_tokens=False).ids
+    ctx = tok.encode(context, add_special_tokens=False).ids
+    return ctx, whole[len(ctx):]
+
+
+@torch.no_grad()
+def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], window: int,
+                   dev: torch.device) -> list[tuple[float, bool]]:
+    """(log-likelihood, greedy) of each continuation after its context, in batches of right-padded rows."""
+    out: list[tuple[float, bool]] = []
+    for i in range(0, len(pairs), BATCH):
+        rows = [(ctx + cont)[-(window + 1):][:-1] for ctx, cont in pairs[i:i + BATCH]]
+        width = max(map(len, rows))
+        batch = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            batch[r, :len(row)] = torch.tensor(row)
+        logp = F.log_softmax(model(batch.to(dev))[0].double(), dim=-1).cpu()
+        for r, (row, (_, cont)) in enumerate(zip(rows, pairs[i:i + BATCH], strict=True)):
+            n = min(len(cont), len(row))  # a continuation longer than the window: its right end
+            lp = logp[r, len(row) - n:len(row)]
+            target = torch.tensor(cont[len(cont) - n:])
+            out.append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+    return out
+
+
+def score(model, tok, eos: int, window: int, dev, index_dir: Path, cap: int, seed: int, out: Path) -> dict:
+    """Every scorable task of the benchmark index: metrics on its sampled items, and per-item records to
+    `out/benchmarks.jsonl` (the card splits them into clean and contaminated items by the lineage)."""
+    table = pq.read_table(Path(index_dir) / "eval_items.parquet").to_pylist()
+    tasks: dict[str, list[dict]] = {}
+    for row in table:
+        tasks.setdefault(row["task"], []).append(row)
+    results, lines = {}, []
+    for task, items in sorted(tasks.items()):
+        picked = scores.sample(items, cap, seed)
+        pairs = [encode_pair(tok, c, k, eos) for it in picked
+                 for c, k in zip(it["contexts"], it["continuations"], strict=True)]
+        lls = iter(loglikelihoods(model, pairs, window, dev))
+        recs = [scores.judge(it, [next(lls) for _ in it["continuations"]]) for it in picked]
+        lines += [json.dumps(r) for r in recs]
+        results[task] = {"benchmark": picked[0]["benchmark"], **scores.summarise(recs)}
+    (out / scores.ITEMS).write_text("\n".join(lines) + ("\n" if lines else ""))
+    return results

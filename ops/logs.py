@@ -43,9 +43,18 @@ def route_moeflow_logs() -> None:
     as they happen: here, and in the processes this one starts (which read the setting when they start)."""
     from prefect.logging.handlers import APILogHandler
 
+    class InRuns(APILogHandler):
+        """Prefect's API handler, silent outside a flow or task run (a later `moeflow explain`, say)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            from prefect.context import FlowRunContext, TaskRunContext
+
+            if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
+                super().emit(record)
+
     names = [n.strip() for n in os.environ.get(EXTRA, "").split(",") if n.strip()]
     if "moeflow" not in names:
         os.environ[EXTRA] = ",".join([*names, "moeflow"])
     logger = logging.getLogger("moeflow")
     if not any(isinstance(h, APILogHandler) for h in logger.handlers):
-        logger.addHandler(APILogHandler())
+        logger.addHandler(InRuns())

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from huggingface_hub import ModelCard
@@ -99,7 +100,7 @@ def test_card_reports_what_the_lineage_holds(cold):
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["license"] == "other" and "PSF-2.0" in meta["license_name"]
     parsed = ModelCard(text).data  # huggingface_hub validates the metadata
-    assert {r.dataset_config: r.metric_value for r in parsed.eval_results} == {
+    assert {r.dataset_config: r.metric_value for r in parsed.eval_results if r.metric_type == "loss"} == {
         d: r["loss"] for d, r in lineage["evaluate"]["stats"]["heldout"].items()
     }
 
@@ -481,7 +482,7 @@ def _flow_run_artifacts(summary: dict, run_id: str | None = None) -> list:
 def test_long_stages_show_progress_artifacts_that_reach_100(cold):
     """Every long stage (each part of a sharded one, the benchmark index, training) has a progress artifact on
     the flow run, finished at 100%, its description counting what was done."""
-    progress = [a for a in _flow_run_artifacts(cold[1]) if a.type == "progress"]
+    progress = [a for a in _flow_run_artifacts(cold[1], cold[1]["flow_run_id"]) if a.type == "progress"]
     keys = {a.key for a in progress}
     long = ("ingest", "filter", "dedup-sign", "benchmarks", "decontaminate", "tokenize", "overlap", "train")
     for stage in long:
@@ -494,7 +495,7 @@ def test_long_stages_show_progress_artifacts_that_reach_100(cold):
 def test_training_shows_a_live_table_with_alarms_and_tensorboard(cold):
     """The training table (one artifact, updated in place) ends on the last step: its rows are the logged
     steps of metrics.jsonl, newest first, and it names the TensorBoard folder."""
-    tables = [a for a in _flow_run_artifacts(cold[1]) if a.key == "train-live"]
+    tables = [a for a in _flow_run_artifacts(cold[1]) if a.key == "train-live"]  # the run that built train
     assert len(tables) == 1 and tables[0].type == "markdown"
     md = tables[0].data
     metrics = Path(cold[1]["stages"]["train"]["artifact"]) / "metrics.jsonl"
@@ -550,3 +551,77 @@ def test_training_alarms_show_in_the_live_table_and_the_run_log_as_they_fire(col
         assert f"- step {a['step']}: {a['alarm']}" in md
     for a in alarms:
         assert f"train: step {a['step']} alarm {a['alarm']}" in logs
+
+
+def _scores(summary: dict) -> dict:
+    ev = Path(summary["stages"]["evaluate"]["artifact"])
+    return json.loads((ev / "lineage.json").read_text())["stats"]["benchmarks"], ev
+
+
+def test_card_reports_benchmark_scores_with_chance_and_model_index(cold):
+    """The smoke preset's scorable benchmarks (ARC's two sets, PIQA, LAMBADA) are scored on 100 sampled
+    items each; the card's table and model-index carry every value the evaluate artifact recorded."""
+    got, ev = _scores(cold[1])
+    assert set(got) == {"arc_easy", "arc_challenge", "piqa", "lambada"}
+    assert all(r["samples"] == 100 for r in got.values())
+    items = [json.loads(line) for line in (ev / "benchmarks.jsonl").read_text().splitlines()]
+    assert len(items) == 400 and {len(i["loglikelihoods"]) for i in items if i["task"] == "piqa"} == {2}
+    for task, r in got.items():  # each summary is the mean of its items
+        mine = [i["acc"] for i in items if i["task"] == task]
+        assert r["acc"] == round(sum(mine) / len(mine), 4)
+    # a few ARC questions have 3 or 5 choices
+    assert abs(got["arc_easy"]["chance"] - 0.25) < 0.01 and got["piqa"]["chance"] == 0.5
+    assert got["lambada"]["chance"] is None
+    text = Path(cold[1]["card"]).read_text()
+    for task, r in got.items():
+        assert f"| {task} | {r['benchmark']} | acc | {r['acc']} | {r['acc_stderr']} |" in text
+    results = {(e.dataset_type, e.metric_type): e.metric_value for e in ModelCard(text).data.eval_results}
+    assert {(t, m): v for (t, m), v in results.items() if m != "loss"} == {
+        (t, m): r[m] for t, r in got.items() for m in ("acc", "acc_norm") if m in r}
+    near = sum(r[m] - r["chance"] <= 2 * r[f"{m}_stderr"] for r in got.values() if r["chance"]
+               for m in ("acc", "acc_norm") if m in r)
+    assert f"{near} of 6 scores are no more than two standard errors above chance" in text
+
+
+def test_benchmark_items_found_in_training_data_are_flagged_with_clean_scores(cold, tmp_path):
+    """Three sampled ARC-Easy items planted in a local source, decontamination set to cut them out: the card
+    flags arc_easy (from the decontamination ledger upstream of the model) with its score on the 97 clean
+    items beside the score on all 100; no other task is flagged."""
+    from moeflow import configs
+    from moeflow.dedup import contamination
+    from moeflow.moe import scores
+
+    path, first = cold
+    index = Path(first["stages"]["benchmarks"]["artifact"])
+    arc = [r for r in pq.read_table(index / "eval_items.parquet").to_pylist() if r["task"] == "arc_easy"]
+    bench = next(b for b in configs.load(str(path)).benchmarks if b.name == "arc")
+    text = dict(contamination.items(bench))
+    planted = sorted(scores.sample(arc, 100, 0), key=lambda r: -len(text[r["item_id"]]))[:3]
+    leak = tmp_path / "leak.jsonl"
+    leak.write_text("".join(json.dumps({"text": f"Study notes, session {i}. We went over the questions below "
+                                                "and wrote down the answers that the class agreed on.\n\n"
+                                                + text[r["item_id"]] + "\n\n" + PROSE}) + "\n"
+                            for i, r in enumerate(planted)))
+    sources = yaml.safe_load(path.read_text())["sources"] + [
+        {"name": "leak", "path": str(leak), "format": "jsonl", "domain": "literature", "license": "cc0"}]
+    cfg = write_config(tmp_path / "leaky.yaml", store=first["store"], sources=sources,
+                       decontaminate={"action": "cut"})
+    out = pretrain(config=str(cfg))
+    got, ev = _scores(out)
+    items = [json.loads(line) for line in (ev / scores.ITEMS).read_text().splitlines()]
+    ids = {r["item_id"] for r in planted}
+    clean = [i["acc"] for i in items if i["task"] == "arc_easy" and i["item_id"] not in ids]
+    assert len(clean) == 97
+    card_text = Path(out["card"]).read_text()
+    assert (f"| arc_easy | arc | acc | {got['arc_easy']['acc']} | {got['arc_easy']['acc_stderr']} | "
+            f"{got['arc_easy']['chance']} | 100 |") in card_text
+    assert f"⚠ 3 of 100 items found in training data; clean: {round(sum(clean) / 97, 4)} (97 items)" in card_text
+    assert card_text.count("⚠") == 2  # arc_easy's acc and acc_norm rows only
+    assert "Flagged (decontamination found some of the sampled items in training documents" in card_text
+
+
+PROSE = ("The afternoon was spent in the library, where the light came through the tall windows and fell "
+         "across the long tables. Some of us read quietly while others argued about the meaning of the "
+         "passages we had been given, and the teacher walked between the rows, listening more than she "
+         "spoke. When the bell rang we packed our books slowly, still talking about what we had read, and "
+         "agreed to meet again the following week to continue the discussion.")
