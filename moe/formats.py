@@ -96,6 +96,21 @@ _SOURCES = (
 )
 
 
+def own(doc: dict, question: str, choices: str, answer: str) -> Request | None:
+    """An item of your own eval set: `Question: ...\nAnswer:` and each choice, as ARC is asked; the answer
+    field holds the right choice's index, its text, or its letter (A, B, ...)."""
+    try:
+        options = [str(c) for c in doc[choices]]
+        gold = doc[answer]
+        if isinstance(gold, str):
+            gold = options.index(gold) if gold in options else "ABCDEFGHIJ".index(gold.strip().upper())
+        if not options or not 0 <= int(gold) < len(options):
+            return None
+        return _mc(f"Question: {str(doc[question]).strip()}\nAnswer:", options, int(gold))
+    except (KeyError, ValueError, TypeError, IndexError):
+        return None
+
+
 def task_of(member: str) -> str | None:
     """The task whose format fits a benchmark file (its path inside the package), or None: not scored."""
     member = "/" + member

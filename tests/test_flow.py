@@ -625,3 +625,53 @@ PROSE = ("The afternoon was spent in the library, where the light came through t
          "passages we had been given, and the teacher walked between the rows, listening more than she "
          "spoke. When the bell rang we packed our books slowly, still talking about what we had read, and "
          "agreed to meet again the following week to continue the discussion.")
+
+
+ANIMALS = ["fox", "heron", "badger", "otter", "raven", "hare", "stag", "wren", "mole", "newt"]
+PLACES = ["the old mill", "the salt marsh", "the northern hills", "the chapel yard", "the river ford"]
+
+
+def _own_eval_set(path: Path) -> list[dict]:
+    """30 questions of a made-up eval set: choices as a list, the answer as an index, a text or a letter."""
+    rows = []
+    for i in range(30):
+        a, p = ANIMALS[i % 10], PLACES[i % 5]
+        choices = [f"a basket of {x}" for x in ("apples", "stones", "letters")]
+        answer = [i % 3, choices[i % 3], "ABC"[i % 3]][i % 3]
+        rows.append({"qid": f"q{i}", "question": f"In the tale of the {a} who walked every morning to {p}, "
+                     f"what did the {a} carry home on the {i + 1}th day of the long dry summer?",
+                     "choices": choices, "answer": answer, "notes": "not indexed"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_your_own_eval_set_is_indexed_checked_and_scored(cold, tmp_path):
+    """A local JSONL eval set (question, choices, answer fields) beside the bundled benchmarks: its file is
+    in the index's key, its items are indexed, decontamination finds the one planted in a local source,
+    evaluate scores all 30, and the card lists and flags it."""
+    path, first = cold
+    rows = _own_eval_set(tmp_path / "mine.jsonl")
+    leak = tmp_path / "leak.jsonl"
+    leak.write_text(json.dumps({"text": "Notes from the reading group.\n\n" + rows[7]["question"] + "\n\n"
+                                + PROSE}) + "\n")
+    smoke = yaml.safe_load(path.read_text())
+    mine = {"name": "mine", "path": str(tmp_path / "mine.jsonl"), "id_field": "qid",
+            "text_fields": ["question", "choices"], "question": "question", "choices": "choices",
+            "answer": "answer"}
+    cfg = write_config(tmp_path / "own.yaml", store=first["store"], benchmarks=smoke["benchmarks"] + [mine],
+                       sources=smoke["sources"] + [{"name": "leak", "path": str(leak), "format": "jsonl",
+                                                    "domain": "literature", "license": "cc0"}],
+                       decontaminate={"action": "cut"})
+    out = pretrain(config=str(cfg))
+    index = json.loads((Path(out["stages"]["benchmarks"]["artifact"]) / "lineage.json").read_text())
+    assert index["key"]["fetched"]["file:benchmark:mine"]["bytes"] == (tmp_path / "mine.jsonl").stat().st_size
+    stats = index["stats"]["benchmarks"]["mine"]
+    assert (stats["items"], stats["scorable_items"], stats["items_too_short"]) == (30, 30, 0)
+    decon = pq.read_table(Path(out["stages"]["decontaminate"]["artifact"]) / "ledger.parquet").to_pylist()
+    found = [json.loads(r["detail"]) for r in decon if r["reason"] == "cut"]
+    assert [(f["benchmark"], f["item_id"]) for f in found] == [("mine", "q7")]
+    got, _ = _scores(out)
+    assert got["mine"]["samples"] == 30 and got["mine"]["chance"] == round(1 / 3, 4)
+    text = Path(out["card"]).read_text()
+    assert f"| mine | mine | acc | {got['mine']['acc']} | {got['mine']['acc_stderr']} | 0.3333 | 30 |" in text
+    assert "⚠ 1 of 30 items found in training data" in text
