@@ -122,8 +122,8 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], window: int,
             cont = pairs[i][1]
             n = min(len(cont), len(row))  # a continuation longer than the window: its right end
             logits = hidden[r, len(row) - n:len(row)] @ model.embed.weight.T  # the tied head, here only
-            lp = F.log_softmax(logits.double(), dim=-1).cpu()
-            target = torch.tensor(cont[len(cont) - n:])
+            lp = F.log_softmax(logits.double(), dim=-1)
+            target = torch.tensor(cont[len(cont) - n:], device=lp.device)
             out[i] = (float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
     return out
 
