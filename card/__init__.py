@@ -490,11 +490,6 @@ def _score_results(ev: dict, bench_rec: dict) -> list[EvalResult]:
     ]
 
 
-def _near_chance(r: dict, metric: str) -> bool:
-    return r.get("chance") is not None and r.get(f"{metric}_stderr") is not None \
-        and r[metric] - r["chance"] <= 2 * r[f"{metric}_stderr"]
-
-
 def _with_clean_splits(ev: dict, decon: dict) -> dict:
     """Each task's scores, with its score on the clean items where the decontamination upstream of the
     model found sampled items in training documents (from its ledger and evaluate's per-item records)."""
@@ -513,10 +508,13 @@ def _scores_section(ev: dict, train: dict, decon: dict) -> list[str]:
     scores = _with_clean_splits(ev, decon)
     ckpt = f"train-{train['artifact']['hash'][:12]} step {train['stats']['steps']}"
     code = f"`{ev['code']['source_hash'][:12]}`"
-    rows, near, flagged = [], 0, []
+    rows, near, scored, flagged = [], 0, 0, []
     for task, r in sorted(scores.items()):
         for metric in [m for m in ("acc", "acc_norm") if m in r]:
-            near += _near_chance(r, metric)
+            if r.get("chance") is not None:  # no more than two standard errors above chance
+                scored += 1
+                stderr = r[f"{metric}_stderr"]
+                near += stderr is not None and r[metric] - r["chance"] <= 2 * stderr
             clean = r.get("clean", {})
             flag = (f"⚠ {r['contaminated_samples']} of {r['samples']} items found in training data; "
                     f"clean: {clean.get(metric, 'n/a')} ({clean.get('samples', 0)} items)"
@@ -529,7 +527,6 @@ def _scores_section(ev: dict, train: dict, decon: dict) -> list[str]:
         if "perplexity" in r:
             rows.append([task, r["benchmark"], "perplexity", r["perplexity"], "", "n/a", r["samples"], ckpt,
                          code, "none found" if "clean" not in r else "see acc"])
-    scored = sum(1 for r in rows if r[2] in ("acc", "acc_norm") and r[5] != "n/a")
     return [
         "### Benchmark scores",
         "",

@@ -18,6 +18,7 @@ import gzip
 import json
 import re
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -269,8 +270,9 @@ class EvalItems:
             ("benchmark", pa.string()), ("task", pa.string()), ("item_id", pa.string()),
             ("contexts", pa.list_(pa.string())), ("continuations", pa.list_(pa.string())),
             ("choices", pa.list_(pa.string())), ("gold", pa.int64())])), path)
+        scorable = Counter(self.rows["benchmark"])
         for bench, stats in per_bench.items():
-            stats["scorable_items"] = self.rows["benchmark"].count(bench)
+            stats["scorable_items"] = scorable[bench]
             stats["unscorable_items"] = self.unfit.get(bench, 0)
 
 

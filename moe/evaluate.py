@@ -45,8 +45,8 @@ def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
     # float64: a request's log-likelihood must not depend on the batch it was padded into (float32 sums
     # of ~100-nat continuations differ by more than 1e-5 between batch shapes)
     model = load_model(inputs["model"].dir).to(dev).double()
-    window = json.loads((inputs["model"].dir / "model_config.json").read_text())["max_seq_len"]
     tok = tokenizer.load(inputs["tokenizer"].dir)
+    window = model.rope_cos.shape[0]  # the model's max_seq_len
     return score(model, tok, tok.token_to_id(tokenizer.EOS), window, dev, inputs["index"].dir,
                  cfg.benchmark_items, cfg.benchmark_seed, out)
 

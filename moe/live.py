@@ -24,7 +24,7 @@ class LiveTable:
 
     def __init__(self, name: str, steps: int, every: int, tensorboard: Path, rows: int = 12):
         self.name, self.steps, self.every, self.tensorboard = name, steps, every, tensorboard
-        self.board = progress.Board(f"{name}-live")
+        self.board = progress.Artifact("markdown", f"{name}-live")
         self.rows: deque[dict] = deque(maxlen=rows)
         self.alarms: list[dict] = []
 
@@ -35,7 +35,7 @@ class LiveTable:
         if due or alarms:
             self.rows.append(record)
             last = self.rows[-1]
-            self.board.show(self.markdown(), f"{self.name}: step {last['step']} of {self.steps}, "
+            self.board.send(self.markdown(), f"{self.name}: step {last['step']} of {self.steps}, "
                             f"loss {last['loss']:.4f}, {len(self.alarms)} alarm(s)", force=True)
 
     def markdown(self) -> str:

@@ -1,5 +1,5 @@
-"""Live progress in the Prefect UI: progress bars that also keep a progress artifact current, and boards
-(markdown artifacts updated in place) such as the live training table.
+"""Live progress in the Prefect UI: progress bars that also keep a progress artifact current, and artifacts
+updated in place (the live training table is a markdown one).
 
 Each artifact belongs to the task run doing the work (and so shows on its flow run's page), found from
 Prefect's run context or, in a process Prefect did not start (a torchrun rank), from the environment that
@@ -23,10 +23,8 @@ ENV_NAME = "MOEFLOW_PREFECT_TASK_NAME"
 
 def _context() -> tuple[str | None, str | None, str | None]:
     """(task run id, flow run id, task run name) of the run doing this work, or Nones."""
-    try:
-        from prefect.context import FlowRunContext, TaskRunContext
-    except ImportError:  # pragma: no cover - prefect is a dependency
-        return None, None, None
+    from prefect.context import FlowRunContext, TaskRunContext
+
     task_ctx, flow_ctx = TaskRunContext.get(), FlowRunContext.get()
     if task_ctx is not None:
         return str(task_ctx.task_run.id), str(task_ctx.task_run.flow_run_id), task_ctx.task_run.name
@@ -127,13 +125,3 @@ class tqdm(_tqdm):  # noqa: N801 - a drop-in for tqdm.tqdm
             self._report(force=True)
             self._artifact = None
         super().close()
-
-
-class Board(Artifact):
-    """A markdown artifact of the current task run, rewritten in place (the live training table)."""
-
-    def __init__(self, key: str, every_s: float = 0.0):
-        super().__init__("markdown", key, every_s)
-
-    def show(self, markdown: str, description: str, force: bool = False) -> None:
-        self.send(markdown, description, force)

@@ -196,7 +196,7 @@ def test_train_stage_launches_torchrun_and_matches_the_single_process_run(cold, 
     assert "### Ranks" in text and "experts split 2 per rank" in text
     assert "share of step time in the token all-to-all, per rank" in text.split(card.RUN_RECORD)[1]
     # rank 0, a process Prefect did not start, updated the train task run's progress and live table
-    arts = {a.key: a for a in _flow_run_artifacts(out)}
+    arts = {a.key: a for a in _flow_run_artifacts(_trained_by(out))}
     assert arts["train"].data == 100 and arts["train-live"].data.startswith("### train: step 40 of 40")
 
 
@@ -467,14 +467,16 @@ def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
     assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
 
 
-def _flow_run_artifacts(summary: dict, run_id: str | None = None) -> list:
-    """The Prefect artifacts of flow run `run_id`, by default the one that trained `summary`'s model."""
+def _trained_by(summary: dict) -> str:
+    """The flow run that built `summary`'s train artifact (a later run may have rebuilt it in place)."""
+    train = Path(summary["stages"]["train"]["artifact"])
+    return json.loads((train / "lineage.json").read_text())["prefect"]["flow_run_id"]
+
+
+def _flow_run_artifacts(run_id: str) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    if run_id is None:
-        train = Path(summary["stages"]["train"]["artifact"])
-        run_id = json.loads((train / "lineage.json").read_text())["prefect"]["flow_run_id"]
     with get_client(sync_client=True) as client:
         return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
 
@@ -482,7 +484,7 @@ def _flow_run_artifacts(summary: dict, run_id: str | None = None) -> list:
 def test_long_stages_show_progress_artifacts_that_reach_100(cold):
     """Every long stage (each part of a sharded one, the benchmark index, training) has a progress artifact on
     the flow run, finished at 100%, its description counting what was done."""
-    progress = [a for a in _flow_run_artifacts(cold[1], cold[1]["flow_run_id"]) if a.type == "progress"]
+    progress = [a for a in _flow_run_artifacts(cold[1]["flow_run_id"]) if a.type == "progress"]
     keys = {a.key for a in progress}
     long = ("ingest", "filter", "dedup-sign", "benchmarks", "decontaminate", "tokenize", "overlap", "train")
     for stage in long:
@@ -495,7 +497,7 @@ def test_long_stages_show_progress_artifacts_that_reach_100(cold):
 def test_training_shows_a_live_table_with_alarms_and_tensorboard(cold):
     """The training table (one artifact, updated in place) ends on the last step: its rows are the logged
     steps of metrics.jsonl, newest first, and it names the TensorBoard folder."""
-    tables = [a for a in _flow_run_artifacts(cold[1]) if a.key == "train-live"]  # the run that built train
+    tables = [a for a in _flow_run_artifacts(_trained_by(cold[1])) if a.key == "train-live"]
     assert len(tables) == 1 and tables[0].type == "markdown"
     md = tables[0].data
     metrics = Path(cold[1]["stages"]["train"]["artifact"]) / "metrics.jsonl"
@@ -544,7 +546,7 @@ def test_training_alarms_show_in_the_live_table_and_the_run_log_as_they_fire(col
     with get_client(sync_client=True) as client:
         logs = [e.message for e in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
             any_=[run_id])))]
-    table = _flow_run_artifacts({}, run_id)
+    table = _flow_run_artifacts(run_id)
     md = next(a for a in table if a.key == "watched-live").data
     assert f"**Alarms ({len(alarms)})**" in md
     for a in alarms[-10:]:
@@ -583,43 +585,6 @@ def test_card_reports_benchmark_scores_with_chance_and_model_index(cold):
     assert f"{near} of 6 scores are no more than two standard errors above chance" in text
 
 
-def test_benchmark_items_found_in_training_data_are_flagged_with_clean_scores(cold, tmp_path):
-    """Three sampled ARC-Easy items planted in a local source, decontamination set to cut them out: the card
-    flags arc_easy (from the decontamination ledger upstream of the model) with its score on the 97 clean
-    items beside the score on all 100; no other task is flagged."""
-    from moeflow import configs
-    from moeflow.dedup import contamination
-    from moeflow.moe import scores
-
-    path, first = cold
-    index = Path(first["stages"]["benchmarks"]["artifact"])
-    arc = [r for r in pq.read_table(index / "eval_items.parquet").to_pylist() if r["task"] == "arc_easy"]
-    bench = next(b for b in configs.load(str(path)).benchmarks if b.name == "arc")
-    text = dict(contamination.items(bench))
-    planted = sorted(scores.sample(arc, 100, 0), key=lambda r: -len(text[r["item_id"]]))[:3]
-    leak = tmp_path / "leak.jsonl"
-    leak.write_text("".join(json.dumps({"text": f"Study notes, session {i}. We went over the questions below "
-                                                "and wrote down the answers that the class agreed on.\n\n"
-                                                + text[r["item_id"]] + "\n\n" + PROSE}) + "\n"
-                            for i, r in enumerate(planted)))
-    sources = yaml.safe_load(path.read_text())["sources"] + [
-        {"name": "leak", "path": str(leak), "format": "jsonl", "domain": "literature", "license": "cc0"}]
-    cfg = write_config(tmp_path / "leaky.yaml", store=first["store"], sources=sources,
-                       decontaminate={"action": "cut"})
-    out = pretrain(config=str(cfg))
-    got, ev = _scores(out)
-    items = [json.loads(line) for line in (ev / scores.ITEMS).read_text().splitlines()]
-    ids = {r["item_id"] for r in planted}
-    clean = [i["acc"] for i in items if i["task"] == "arc_easy" and i["item_id"] not in ids]
-    assert len(clean) == 97
-    card_text = Path(out["card"]).read_text()
-    assert (f"| arc_easy | arc | acc | {got['arc_easy']['acc']} | {got['arc_easy']['acc_stderr']} | "
-            f"{got['arc_easy']['chance']} | 100 |") in card_text
-    assert f"⚠ 3 of 100 items found in training data; clean: {round(sum(clean) / 97, 4)} (97 items)" in card_text
-    assert card_text.count("⚠") == 2  # arc_easy's acc and acc_norm rows only
-    assert "Flagged (decontamination found some of the sampled items in training documents" in card_text
-
-
 PROSE = ("The afternoon was spent in the library, where the light came through the tall windows and fell "
          "across the long tables. Some of us read quietly while others argued about the meaning of the "
          "passages we had been given, and the teacher walked between the rows, listening more than she "
@@ -648,7 +613,7 @@ def _own_eval_set(path: Path) -> list[dict]:
 def test_your_own_eval_set_is_indexed_checked_and_scored(cold, tmp_path):
     """A local JSONL eval set (question, choices, answer fields) beside the bundled benchmarks: its file is
     in the index's key, its items are indexed, decontamination finds the one planted in a local source,
-    evaluate scores all 30, and the card lists and flags it."""
+    evaluate scores all 30, and the card lists it and flags it, its score on the 29 clean items beside all."""
     path, first = cold
     rows = _own_eval_set(tmp_path / "mine.jsonl")
     leak = tmp_path / "leak.jsonl"
@@ -670,8 +635,13 @@ def test_your_own_eval_set_is_indexed_checked_and_scored(cold, tmp_path):
     decon = pq.read_table(Path(out["stages"]["decontaminate"]["artifact"]) / "ledger.parquet").to_pylist()
     found = [json.loads(r["detail"]) for r in decon if r["reason"] == "cut"]
     assert [(f["benchmark"], f["item_id"]) for f in found] == [("mine", "q7")]
-    got, _ = _scores(out)
+    got, ev = _scores(out)
     assert got["mine"]["samples"] == 30 and got["mine"]["chance"] == round(1 / 3, 4)
+    items = [json.loads(line) for line in (ev / "benchmarks.jsonl").read_text().splitlines()]
+    clean = [i["acc"] for i in items if i["task"] == "mine" and i["item_id"] != "q7"]
+    assert len(clean) == 29
     text = Path(out["card"]).read_text()
     assert f"| mine | mine | acc | {got['mine']['acc']} | {got['mine']['acc_stderr']} | 0.3333 | 30 |" in text
-    assert "⚠ 1 of 30 items found in training data" in text
+    assert f"⚠ 1 of 30 items found in training data; clean: {round(sum(clean) / 29, 4)} (29 items)" in text
+    assert text.count("⚠") == 1  # no other task flagged
+    assert "Flagged (decontamination found some of the sampled items in training documents" in text
