@@ -157,8 +157,7 @@ def _explain(args) -> int:
     from moeflow.lineage import ledger
 
     cfg = configs.load(args.config)
-    runs = sorted((cfg.store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
-    complete = [s for s in (json.loads(r.read_text()) for r in runs) if s["config"] == cfg.name and s["card"]]
+    complete = [s for s in _runs(cfg) if s["config"] == cfg.name and s["card"]]
     if not complete:
         print(
             f"no complete run of config {args.config!r} recorded yet; run `moeflow run {args.config}` first",
@@ -170,7 +169,7 @@ def _explain(args) -> int:
     for stage in ("ingest", "filter", "dedup", "decontaminate"):
         if stage not in stages:
             continue
-        table = ledger.read(Path(stages[stage]["artifact"]))
+        table = ledger.read(_dir(cfg, stage, stages[stage]))
         rows = table.filter(table.column("doc_id").to_numpy(zero_copy_only=False) == args.doc_id).to_pylist()
         for row in rows:
             found = True
@@ -184,17 +183,15 @@ def _explain(args) -> int:
     if "tokenize" in stages:
         import pyarrow.parquet as pq
 
-        index = pq.read_table(Path(stages["tokenize"]["artifact"]) / "index.parquet").to_pylist()
+        index = pq.read_table(_dir(cfg, "tokenize", stages["tokenize"]) / "index.parquet").to_pylist()
         for r in index:
             if r["doc_id"] == args.doc_id:
                 print(f"{'tokenize':14s} shard-{r['shard']:05d}.arrow row {r['row']}, {r['tokens']} tokens")
     if "mix" in stages and "train" in stages:
         from moeflow.tokenize.mix import segments_of
 
-        batch = json.loads((Path(stages["train"]["artifact"]) / "lineage.json").read_text())["config"][
-            "train"
-        ]["batch_size"]
-        segs = segments_of(Path(stages["mix"]["artifact"]) / "train.arrow", args.doc_id)
+        batch = _manifest(cfg, "train", stages["train"]).lineage()["config"]["train"]["batch_size"]
+        segs = segments_of(_dir(cfg, "mix", stages["mix"]) / "train.arrow", args.doc_id)
         print(f"{'mix':14s} {sum(s['length'] for s in segs)} tokens in {len(segs)} training sequences")
         for s in segs[:5]:
             print(
@@ -210,15 +207,13 @@ def _export(args) -> int:
     from moeflow.card import dataset
 
     cfg = configs.load(args.config)
-    runs = sorted((cfg.store_path() / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
-    built = [s for s in (json.loads(r.read_text()) for r in runs)
-             if s["config"] == cfg.name and args.stage in s["stages"]]
+    built = [s for s in _runs(cfg) if s["config"] == cfg.name and args.stage in s["stages"]]
     if not built:
         print(f"no run of config {args.config!r} has built `{args.stage}` yet; run `moeflow run "
               f"{args.config} --until {args.stage}` first", file=sys.stderr)
         return 1
     try:
-        done = dataset.export(Path(built[-1]["stages"][args.stage]["artifact"]), Path(args.out))
+        done = dataset.export(_dir(cfg, args.stage, built[-1]["stages"][args.stage]), Path(args.out))
     except (ValueError, FileExistsError) as e:
         print(f"moeflow export: {e}", file=sys.stderr)
         return 1
@@ -226,10 +221,36 @@ def _export(args) -> int:
     return 0
 
 
+def _runs(cfg) -> list[dict]:
+    """The store's run records, oldest first."""
+    from moeflow.lineage.artifacts import store_for
+
+    return store_for(cfg.store_url()).runs()
+
+
+def _manifest(cfg, stage: str, entry: dict):
+    """The artifact a run record's stage entry names, in the config's store."""
+    from moeflow.lineage.artifacts import ArtifactError, store_for
+
+    manifest = store_for(cfg.store_url()).get(stage, entry["hash"])
+    if manifest is None:
+        raise ArtifactError(f"{entry['artifact']} is no longer in the store; run the config again")
+    return manifest
+
+
+def _dir(cfg, stage: str, entry: dict) -> Path:
+    """A run record's artifact as a local folder (pulled into this node's mirror from an object store)."""
+    return _manifest(cfg, stage, entry).dir
+
+
 def _store_root(args) -> Path:
     from moeflow import configs
+    from moeflow.lineage.artifacts import is_remote
 
-    return Path(args.store) if args.store else configs.load(args.config).store_path()
+    url = args.store or configs.load(args.config).store_url()
+    if is_remote(url):
+        raise SystemExit(f"moeflow {args.command}: `ls` and `gc` work on local stores only, not yet on {url}")
+    return Path(url)
 
 
 def _ls(args) -> int:

@@ -16,6 +16,8 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
+from moeflow.lineage import ledger
+from moeflow.lineage.artifacts import ensure
 
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
@@ -30,7 +32,7 @@ def _name(artifact: dict) -> str:
 
 
 def _read(folder: Path) -> dict:
-    path = folder / "lineage.json"
+    path = ensure(folder, "lineage.json")  # an object store's record is fetched into this node's mirror
     if not path.exists():
         raise FileNotFoundError(f"{folder} has no lineage.json: not a moeflow artifact")
     return {**json.loads(path.read_text()), "_dir": str(folder)}  # _dir: where to read its files
@@ -495,7 +497,7 @@ def _with_clean_splits(ev: dict, decon: dict) -> dict:
     model found sampled items in training documents (from its ledger and evaluate's per-item records)."""
     from moeflow.moe import scores as metrics
 
-    matched = metrics.matched_items(Path(decon["_dir"]))
+    matched = metrics.matched_items(ensure(Path(decon["_dir"]), ledger.LEDGER).parent)
     items = metrics.read_items(Path(ev["_dir"]))
     return {task: {**r, **(metrics.clean_split(items.get(task, []), matched) or {})}
             for task, r in ev["stats"]["benchmarks"].items()}

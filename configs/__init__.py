@@ -567,11 +567,30 @@ class RunConfig(Frozen):
             )
         return out
 
-    def store_path(self) -> Path:
+    def store_url(self) -> str:
+        """The artifact store: a local folder, or an fsspec URL (`s3://bucket/prefix`) for an object store."""
+        from moeflow.lineage.artifacts import is_remote
         from moeflow.sources import cache_dir
 
         root = self.store or os.environ.get("MOEFLOW_STORE")
-        return Path(os.path.expanduser(root)).resolve() if root else cache_dir() / "artifacts"
+        if root and is_remote(root):
+            if "@" in root.split("://", 1)[1].split("/", 1)[0]:
+                raise ValueError(f"the store URL {root.split('@')[-1]!r} carries credentials: give them in the "
+                                 "environment (AWS_ACCESS_KEY_ID, ... or fsspec's configuration), not the URL")
+            return root.rstrip("/")
+        root = root and root.removeprefix("file://")
+        return str(Path(os.path.expanduser(root)).resolve() if root else cache_dir() / "artifacts")
+
+    def store_path(self) -> Path:
+        """The store's local folder: the store itself, or this node's mirror of an object store."""
+        from moeflow.lineage.artifacts import is_remote
+
+        url = self.store_url()
+        if is_remote(url):
+            from moeflow.lineage.objstore import mirror_root
+
+            return mirror_root(url)
+        return Path(url)
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:

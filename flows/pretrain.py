@@ -5,14 +5,11 @@ One cached task per stage.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
-from moeflow.lineage.artifacts import Store
+from moeflow.lineage.artifacts import store_for
 from moeflow.ops.logs import route_loguru, route_moeflow_logs
 from moeflow.tasks.pipeline import Pipeline
 
@@ -29,16 +26,17 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
     run = Pipeline(cfg, rerun=rerun or (), until=until)
     # `moeflow gc` waits while this run uses the store, and until its record names what it used
-    with Store(cfg.store_path()).in_use():
+    store = store_for(cfg.store_url())
+    with store.in_use():
         card = dag(run, cfg)
         summary = {
             "config": cfg.name,
             "flow_run_id": _flow_run_id(),
-            "store": str(cfg.store_path()),
+            "store": cfg.store_url(),
             "stages": run.stages,
             "card": str(card.dir / "README.md") if card else None,
         }
-        _record_run(cfg.store_path(), summary)
+        store.record_run(summary)
     get_run_logger().info("moeflow %s: %s", cfg.name, summary["card"] or f"stopped after {until}")
     return summary
 
@@ -88,12 +86,6 @@ def ladder(run, cfg, mixed, shards, tok):
 def _flow_run_id() -> str:
     ctx = FlowRunContext.get()
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
-
-
-def _record_run(store: Path, summary: dict) -> None:
-    runs = store / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    (runs / f"{summary['flow_run_id']}.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

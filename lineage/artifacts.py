@@ -4,7 +4,7 @@
 content hashes of its inputs, so an artifact's path is its version. `content_hash` covers the
 bytes it holds (the xxh3 of every file), so downstream stages rerun only when it changes.
 An artifact is written to a temporary folder and renamed into place; a folder without a complete
-manifest is never read.
+manifest is never read. A store at an fsspec URL (`s3://...`) is `lineage.objstore`'s: `store_for` picks.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import xxhash
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
 RUN_LOCK = ".runs.lock"  # held shared by every run, exclusively by `moeflow gc`
+ORIGIN = ".moeflow-origin"  # in an object store's mirror (`lineage.objstore`): the store's URL
 
 
 class ArtifactError(RuntimeError):
@@ -70,8 +71,30 @@ class Manifest:
     stats: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def name(self) -> str:
+        return f"{self.stage}-{self.hash}"
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.path)
+
+    @property
     def dir(self) -> Path:
-        return Path(self.path)
+        """The artifact's folder here: an object store's artifact is first pulled into this node's mirror
+        (verified as it comes)."""
+        if not self.remote:
+            return Path(self.path)
+        from moeflow.lineage import objstore
+
+        return objstore.pull(self)
+
+    def lineage(self) -> dict:
+        """The artifact's lineage record (only that file is fetched from an object store)."""
+        if not self.remote:
+            return json.loads((self.dir / LINEAGE).read_text())
+        from moeflow.lineage import objstore
+
+        return json.loads(objstore.pull_file(self, LINEAGE).read_text())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,13 +111,43 @@ class Manifest:
     def verify(self) -> None:
         """Check every file against its xxh3 in the manifest (once per process while the file is unchanged:
         the parts of a sharded stage that a worker runs read the same input)."""
+        folder = self.dir
         for rel, meta in self.files.items():
-            p = self.dir / rel
-            if not p.exists() or p.stat().st_size != meta["bytes"] or _checksum(p) != meta["xxh3"]:
-                raise ArtifactError(
-                    f"{p} is missing or does not match its checksum in {self.dir / MANIFEST}; "
-                    f"rebuild it with `moeflow run CONFIG --rerun {self.stage.split('.')[0]}`"
-                )
+            if not matches(folder / rel, meta):
+                raise corrupt(folder / rel, folder / MANIFEST, self.stage)
+
+
+def matches(path: Path, meta: dict) -> bool:
+    return path.exists() and path.stat().st_size == meta["bytes"] and _checksum(path) == meta["xxh3"]
+
+
+def corrupt(what: Any, manifest: Any, stage: str) -> ArtifactError:
+    return ArtifactError(f"{what} is missing or does not match its checksum in {manifest}; "
+                         f"rebuild it with `moeflow run CONFIG --rerun {stage.split('.')[0]}`")
+
+
+def is_remote(url: str | os.PathLike) -> bool:
+    """An fsspec URL other than a local file one: `s3://bucket/prefix`, `gs://...`."""
+    return "://" in str(url) and not str(url).startswith("file://")
+
+
+def store_for(url: str | os.PathLike):
+    """The store at `url`: a local folder (a plain path or `file://`), else an object store."""
+    if not is_remote(url):
+        return Store(str(url).removeprefix("file://"))
+    from moeflow.lineage import objstore
+
+    return objstore.ObjectStore(str(url))
+
+
+def ensure(folder: Path, rel: str) -> Path:
+    """`folder/rel`, fetched first when `folder` is an object store's artifact in this node's mirror (unless
+    the mirror holds the artifact's current content)."""
+    if not (Path(folder).parent.parent / ORIGIN).exists():
+        return Path(folder) / rel
+    from moeflow.lineage import objstore
+
+    return objstore.ensure(Path(folder), rel)
 
 
 class Store:
@@ -162,18 +215,8 @@ class Store:
 
     def commit(self, stage: str, key: str, tmp: Path, stats: dict, lineage: dict) -> Manifest:
         """Checksum, write manifest and lineage, fsync, and rename `tmp` into place (replacing an old one)."""
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
-        content = xxhash.xxh3_64_hexdigest(canonical_json(files).encode())
         final = self.folder(stage, key)
-        manifest = Manifest(
-            stage=stage, hash=key, content_hash=content, path=str(final), files=files, stats=stats
-        )
-        lineage = {**lineage, "artifact": {"stage": stage, "hash": key, "content_hash": content}}
-        _write_synced(tmp / LINEAGE, json.dumps(lineage, indent=2, sort_keys=True, default=str))
-        _write_synced(tmp / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str))
+        manifest = seal(stage, key, tmp, stats, lineage, str(final))
         if final.exists():  # a rerun replaces the old artifact; move it aside first so the swap is atomic
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -184,6 +227,30 @@ class Store:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
         return manifest
+
+    def runs(self) -> list[dict]:
+        """The run records (`runs/<flow run id>.json`), oldest first."""
+        paths = sorted((self.root / "runs").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+        return [json.loads(p.read_text()) for p in paths]
+
+    def record_run(self, summary: dict) -> None:
+        runs = self.root / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        (runs / f"{summary['flow_run_id']}.json").write_text(json.dumps(summary, indent=2))
+
+
+def seal(stage: str, key: str, tmp: Path, stats: dict, lineage: dict, path: str) -> Manifest:
+    """Checksum the files in `tmp` and write its manifest and lineage record (`path`: where it will live)."""
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
+    content = xxhash.xxh3_64_hexdigest(canonical_json(files).encode())
+    manifest = Manifest(stage=stage, hash=key, content_hash=content, path=path, files=files, stats=stats)
+    lineage = {**lineage, "artifact": {"stage": stage, "hash": key, "content_hash": content}}
+    _write_synced(tmp / LINEAGE, json.dumps(lineage, indent=2, sort_keys=True, default=str))
+    _write_synced(tmp / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str))
+    return manifest
 
 
 def _write_synced(path: Path, text: str) -> None:

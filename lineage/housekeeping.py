@@ -64,8 +64,7 @@ def entries(root: Path) -> list[Entry]:
 def kept_runs(root: Path, keep_latest: int) -> dict[str, list[dict]]:
     """Config name -> its `keep_latest` newest run records."""
     runs: dict[str, list[dict]] = {}
-    for path in sorted((root / "runs").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)):
-        summary = json.loads(path.read_text())
+    for summary in Store(root).runs():
         runs.setdefault(summary["config"], []).append(summary)
     return {c: rs[-keep_latest:] if keep_latest else [] for c, rs in runs.items()}
 

@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
-from moeflow.lineage.artifacts import Manifest, Store
+from moeflow.lineage.artifacts import Manifest, store_for
 from moeflow.tasks.stages import STAGES, TASKS, Inputs, artifact_key
 
 log = logging.getLogger(__name__)
@@ -94,9 +93,9 @@ class Pipeline:
         on the runner (in this process when every phase has one part), each its own artifact, a phase
         starting when the one before has finished."""
         st = STAGES[stage]
+        if not force and store_for(cfg.store_url()).get(stage, artifact_key(st, cfg, inputs)):
+            return None  # (asked first: counting a stage's parts may read its input)
         if not st.sharded(cfg, inputs):
-            return None
-        if not force and Store(cfg.store_path()).get(stage, artifact_key(st, cfg, inputs)):
             return None
         prior: dict[str, list[Manifest]] = {}
         widest = max(st.fanout(cfg, inputs).values())
@@ -118,7 +117,7 @@ class Pipeline:
 
     def _record(self, label: str, state) -> Manifest:
         manifest: Manifest = state.result()
-        made_by = json.loads((manifest.dir / "lineage.json").read_text())["prefect"].get("task_run_id")
+        made_by = manifest.lineage()["prefect"].get("task_run_id")
         self.stages[label] = {"artifact": manifest.path, "hash": manifest.hash,
                               "content_hash": manifest.content_hash,
                               "reused": made_by != str(state.state_details.task_run_id)}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import json
 import logging
 import shutil
 import time
@@ -32,7 +31,7 @@ from moeflow import filters, ingest
 from moeflow.configs import RunConfig, TrainStageConfig
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import code, keys, openlineage, record
-from moeflow.lineage.artifacts import Manifest, Store
+from moeflow.lineage.artifacts import Manifest, Store, store_for
 from moeflow.lineage.ledger import ConservationError
 from moeflow.sources import stage as sources
 from moeflow.tokenize import mix, tokenizer
@@ -309,7 +308,7 @@ def materialize(
     `part`: build one part of a sharded stage's phase from the earlier phases' parts (`prior`); `prior`
     alone: build the stage by joining its phases' parts."""
     stage = STAGES[stage_name]
-    store = Store(cfg.store_path())
+    store = store_for(cfg.store_url())
     name = artifact_name(stage, part)
     key_record = _key_record(stage, cfg, inputs, part, prior)
     key = keys.digest(name, key_record)
@@ -325,7 +324,7 @@ def materialize(
             log.info("%s: reusing %s (built by a concurrent run)", name, existing.path)
             return existing
         manifest = _build(stage, name, key, key_record, store, cfg, inputs, part, prior)
-    openlineage.emit(store.root, json.loads((manifest.dir / "lineage.json").read_text()))
+    openlineage.emit(store.root, manifest.lineage())
     log.info("%s: wrote %s", name, manifest.path)
     return manifest
 
@@ -386,7 +385,7 @@ def _lineage(stage: Stage, name: str, cfg: RunConfig, inputs: Inputs, store: Sto
                 "stage": v.stage,
                 "hash": v.hash,
                 "content_hash": v.content_hash,
-                "path": Path(v.path).relative_to(store.root).as_posix(),
+                "path": relpath(v),
             }
             for k, v in sorted(inputs.items())
         },
@@ -457,8 +456,13 @@ def _build(
     return manifest
 
 
+def relpath(m: Manifest) -> str:
+    """Where an artifact is, relative to its store's root (the same in a local store and an object store)."""
+    return f"{m.stage}/{m.stage}-{m.hash}"
+
+
 def _ref(m: Manifest, store: Store) -> dict:
-    return {"hash": m.hash, "content_hash": m.content_hash, "path": Path(m.path).relative_to(store.root).as_posix()}
+    return {"hash": m.hash, "content_hash": m.content_hash, "path": relpath(m)}
 
 
 def _make_task(stage: Stage):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moeflow.configs import RunConfig
 from moeflow.lineage import keys
-from moeflow.lineage.artifacts import Manifest, Store
+from moeflow.lineage.artifacts import Manifest, is_remote, store_for
 from moeflow.tasks.pipeline import check_stages
 from moeflow.tasks.stages import STAGES, key_parts
 
@@ -47,8 +47,8 @@ class DryRun:
     def __init__(self, cfg: RunConfig, rerun: list[str] | tuple[str, ...] = (), until: str | None = None):
         check_stages(rerun, until)
         self.cfg, self.rerun, self.until = cfg, set(rerun), until
-        self.store = Store(cfg.store_path())
-        self.last_run = _last_run(self.store.root, cfg.name)
+        self.store = store_for(cfg.store_url())
+        self.last_run = _last_run(self.store, cfg.name)
         self.plans: dict[str, Plan] = {}
         self.done = False
 
@@ -95,7 +95,8 @@ class DryRun:
             plan.reasons.append("asked for with --rerun")
         prev = self._previous(plan)
         if prev is None:
-            plan.reasons.append(f"no earlier {plan.stage} artifact in the store {self.store.root}")
+            where = getattr(self.store, "url", self.store.root)
+            plan.reasons.append(f"no earlier {plan.stage} artifact in the store {where}")
             return
         plan.against = f"{plan.stage}-{prev['artifact']['hash']}"
         if "key" not in prev:
@@ -111,16 +112,18 @@ class DryRun:
     def _previous(self, plan: Plan) -> dict | None:
         """The lineage of the artifact to explain a rebuild against."""
         used = self.last_run.get(plan.label)
-        if used and (Path(used) / "lineage.json").exists():
+        if used and is_remote(used):  # <url>/<stage>/<stage>-<hash>/data-<id>
+            manifest = self.store.get(plan.stage, used.rsplit("/", 2)[1][len(plan.stage) + 1:])
+            if manifest is not None:
+                return manifest.lineage()
+        elif used and (Path(used) / "lineage.json").exists():
             return json.loads((Path(used) / "lineage.json").read_text())
         return self.store.newest(plan.stage)
 
 
-def _last_run(store: Path, config: str) -> dict[str, str]:
+def _last_run(store, config: str) -> dict[str, str]:
     """label -> artifact path of the latest recorded run of `config` in this store."""
-    runs = sorted((store / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
-    for path in reversed(runs):
-        summary = json.loads(path.read_text())
+    for summary in reversed(store.runs()):
         if summary.get("config") == config:
             return {label: s["artifact"] for label, s in summary["stages"].items()}
     return {}
@@ -139,7 +142,7 @@ def render(plans: list[Plan]) -> str:
     lines = []
     for p in plans:
         head = f"{p.label:14s} {p.status:8s}"
-        target = p.manifest.dir.name if p.manifest else (f"(against {p.against})" if p.against else "")
+        target = p.manifest.name if p.manifest else (f"(against {p.against})" if p.against else "")
         lines.append(f"{head} {target}".rstrip())
         if p.status != "reuse":
             lines += [f"{'':24s}{r}" for r in p.reasons]

@@ -38,6 +38,25 @@ def prefect_server():
 
 
 @pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 API (moto's server) on 127.0.0.1 for the whole session, its client settings in the
+    environment of every process the tests start; each test's store gets its own bucket."""
+    from s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
+    saved = {k: os.environ.get(k) for k in [*server.env, "MOEFLOW_STORE_CACHE", "MOEFLOW_LEASE_SECONDS"]}
+    os.environ.update(server.env)
+    os.environ["MOEFLOW_STORE_CACHE"] = str(tmp_path_factory.mktemp("mirror"))
+    os.environ["MOEFLOW_LEASE_SECONDS"] = "6"  # a killed writer's lease lapses in seconds, not a minute
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="session")
 def smoke_run(prefect_server, smoke_data, tmp_path_factory):
     """One cold run of the smoke preset into its own store, shared by the flow tests.
 

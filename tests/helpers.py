@@ -97,3 +97,13 @@ def join_parts(folder: Path, n: int, build, merge, cfg=None, phase: str = "shard
     joined = folder / "joined"
     joined.mkdir()
     return joined, merge(cfg, {phase: parts}, joined)
+
+
+def manifest_of(entry: dict) -> dict:
+    """The manifest of a run record's stage entry, from a local store or an object store."""
+    from moeflow.lineage.artifacts import is_remote, store_for
+
+    if is_remote(entry["artifact"]):
+        url, stage, _, _ = entry["artifact"].rsplit("/", 3)
+        return store_for(url).get(stage, entry["hash"]).to_dict()
+    return json.loads((Path(entry["artifact"]) / "manifest.json").read_text())

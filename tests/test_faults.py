@@ -138,15 +138,17 @@ def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
 
 
 def _kill_inside(
-    proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300
+    proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300,
+    staging: str = "",
 ) -> bool:
-    """SIGKILL the run's process group at a random moment once `stage` is building; False if it never was."""
+    """SIGKILL the run's process group at a random moment once `stage` is building (a folder
+    `.<stage>-<staging>...` is in `store/stage`); False if it never was."""
     folder = store / stage
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if folder.exists() and any(
-            p.name.startswith(f".{stage}-") and not p.name.endswith(".lock") for p in folder.iterdir()
-        ):
+        building = f".{stage}-{staging}"
+        if folder.exists() and any(p.name.startswith(building) and not p.name.endswith(".lock")
+                                   for p in folder.iterdir()):
             time.sleep(rng.uniform(0, 1.0))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -1,7 +1,7 @@
-"""Scale-out: the smoke preset's data stages on a two-node Ray cluster, and on a Dask scheduler with two
-workers, give the same artifacts as a process pool."""
+"""Scale-out: the smoke preset's data stages on a two-node Ray cluster (its store on S3, each node with its
+own mirror and no shared folder), and on a Dask scheduler with two workers, give the same artifacts as a
+process pool."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_config
+from helpers import manifest_of, write_config
+from moeflow.lineage.artifacts import Manifest
 from moeflow.moe.launch import free_port
 
 WHOLE = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize",
@@ -25,8 +26,9 @@ DATA_STAGES = (*WHOLE, *PARTS)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A head and a worker node started with `ray start` on 127.0.0.1, one CPU each: two Ray workers."""
+def ray_cluster(s3, tmp_path_factory):
+    """A head and a worker node started with `ray start` on 127.0.0.1, one CPU each: two Ray workers, each
+    node with its own object-store mirror (`MOEFLOW_STORE_CACHE`)."""
     ray = shutil.which("ray", path=str(Path(sys.executable).parent))
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -48,20 +50,20 @@ def ray_cluster(tmp_path_factory):
                 str(temp),
                 *common,
             ],
-            env=env,
+            env={**env, "MOEFLOW_STORE_CACHE": str(temp / "head-mirror")},
             check=True,
             capture_output=True,
             timeout=120,
         )
         subprocess.run(
             [ray, "start", "--address", address, *common],
-            env=env,
+            env={**env, "MOEFLOW_STORE_CACHE": str(temp / "worker-mirror")},
             check=True,
             capture_output=True,
             timeout=120,
         )
         os.environ["RAY_AUTH_MODE"] = "disabled"  # for this process's ray.init (the driver)
-        yield address
+        yield address, temp
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
         os.environ.pop("RAY_AUTH_MODE", None)
@@ -117,12 +119,12 @@ def pooled(prefect_server, smoke_data, tmp_path_factory):
     return pretrain(config=str(config), until="mix")
 
 
-def _run_on(tmp_path, **execution) -> dict:
+def _run_on(tmp_path, store: str | None = None, **execution) -> dict:
     from moeflow.flows.pretrain import pretrain
 
     config = write_config(
         tmp_path / "cluster.yaml",
-        store=str(tmp_path / "store"),
+        store=store or str(tmp_path / "store"),
         dedup={"partitions": 2},
         execution={"workers": 2, "shards": 2, **execution},
     )
@@ -131,13 +133,8 @@ def _run_on(tmp_path, **execution) -> dict:
 
 def _assert_same_artifacts(run: dict, pooled: dict) -> None:
     assert set(run["stages"]) == set(pooled["stages"]) == set(DATA_STAGES)
-    for (
-        name
-    ) in DATA_STAGES:  # every artifact: each file's size and xxh3 (ledger included), and the manifest hash
-        manifests = [
-            json.loads((Path(r["stages"][name]["artifact"]) / "manifest.json").read_text())
-            for r in (run, pooled)
-        ]
+    for name in DATA_STAGES:  # every artifact: each file's size and xxh3 (ledger included), the manifest hash
+        manifests = [manifest_of(r["stages"][name]) for r in (run, pooled)]
         assert manifests[0]["files"] == manifests[1]["files"], name
         assert manifests[0]["hash"] == manifests[1]["hash"], name
 
@@ -146,18 +143,24 @@ def _shard_hosts(run: dict) -> list[dict]:
     """Each part's lineage, of every sharded stage: built by a Prefect task run, on the host it records."""
     out = []
     for label in PARTS:
-        lineage = json.loads((Path(run["stages"][label]["artifact"]) / "lineage.json").read_text())
+        lineage = Manifest(**manifest_of(run["stages"][label])).lineage()
         assert lineage["prefect"].get("task_run_id")
         out.append(lineage["host"])
     return out
 
 
-def test_data_stages_on_a_ray_cluster_equal_the_process_pool(pooled, ray_cluster, tmp_path):
+def test_data_stages_on_a_ray_cluster_with_the_store_on_s3_equal_the_process_pool(pooled, ray_cluster, s3,
+                                                                                  tmp_path):
     import ray
 
-    run = _run_on(tmp_path, runner="ray", ray_address=ray_cluster)
+    address, temp = ray_cluster
+    store = f"{s3.bucket('ray')}/store"
+    run = _run_on(tmp_path, store=store, runner="ray", ray_address=address)
     _assert_same_artifacts(run, pooled)
-    ray.init(address=ray_cluster)  # the cluster's nodes, to check the shards ran on them
+    assert all(e["artifact"].startswith(f"{store}/") for e in run["stages"].values())
+    # each node read its inputs into its own mirror: the worker node pulled the parts it needed
+    assert list((temp / "worker-mirror").rglob("manifest.json"))
+    ray.init(address=address)  # the cluster's nodes, to check the shards ran on them
     try:
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     finally:
