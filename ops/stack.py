@@ -172,9 +172,9 @@ class LocalStack:
         if not path.exists():
             return None
         kept = json.loads(path.read_text())
+        # the worker first, and wholly: killed together, a worker can hang retrying the gone server
         for pid in (kept["worker"], kept["server"]):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)
+            _terminate(pid)
         path.unlink()
         return kept
 
@@ -196,3 +196,29 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _terminate(pid: int, grace: float = 20) -> None:
+    """SIGTERM a kept process's group, and SIGKILL it if it has not exited after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if _gone(pid):
+                return
+            time.sleep(0.2)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie, not yet reaped by its parent, counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        if Path("/proc").exists():
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
