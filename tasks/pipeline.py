@@ -93,8 +93,10 @@ class Pipeline:
         on the runner (in this process when every phase has one part), each its own artifact, a phase
         starting when the one before has finished."""
         st = STAGES[stage]
+        if not st.phases:
+            return None
         if not force and store_for(cfg.store_url()).get(stage, artifact_key(st, cfg, inputs)):
-            return None  # (asked first: counting a stage's parts may read its input)
+            return None  # (asked before counting the parts: that may read the stage's input)
         if not st.sharded(cfg, inputs):
             return None
         prior: dict[str, list[Manifest]] = {}

@@ -439,7 +439,7 @@ def _build(
         if part is not None:
             lineage["part"] = list(part)
         elif prior:
-            lineage["phases"] = {name: [_ref(m, store) for m in ms] for name, ms in prior.items()}
+            lineage["phases"] = {name: [_ref(m) for m in ms] for name, ms in prior.items()}
             lineage["shards"] = lineage["phases"][stage.phases[-1].name]
         manifest = store.commit(name, key, tmp, stats, lineage)
     except BaseException as e:
@@ -458,10 +458,10 @@ def _build(
 
 def relpath(m: Manifest) -> str:
     """Where an artifact is, relative to its store's root (the same in a local store and an object store)."""
-    return f"{m.stage}/{m.stage}-{m.hash}"
+    return f"{m.stage}/{m.name}"
 
 
-def _ref(m: Manifest, store: Store) -> dict:
+def _ref(m: Manifest) -> dict:
     return {"hash": m.hash, "content_hash": m.content_hash, "path": relpath(m)}
 
 
