@@ -110,7 +110,7 @@ def _card(args) -> int:
 
 def _up(args) -> int:
     from moeflow import configs
-    from moeflow.lineage.record import PACKAGE_ROOT
+    from moeflow.core.paths import PACKAGE_ROOT
     from moeflow.ops.stack import LocalStack, StackError
 
     store = configs.load(args.preset).store_path()
@@ -144,7 +144,7 @@ def _up(args) -> int:
 
 
 def _down(args) -> int:
-    from moeflow.lineage.record import PACKAGE_ROOT
+    from moeflow.core.paths import PACKAGE_ROOT
     from moeflow.ops.stack import LocalStack
 
     kept = LocalStack.stop_kept(Path(args.home) if args.home else PACKAGE_ROOT / ".prefect")
@@ -154,7 +154,7 @@ def _down(args) -> int:
 
 def _explain(args) -> int:
     from moeflow import configs
-    from moeflow.lineage import ledger
+    from moeflow.core import ledger
 
     cfg = configs.load(args.config)
     complete = [s for s in _runs(cfg) if s["config"] == cfg.name and s["card"]]

@@ -51,7 +51,7 @@ STEPS = ["gopher_repetition", "gopher_quality"]
 def build_corpus(folder: Path, base: list[dict], scale: int) -> dict:
     """docs.parquet of `scale` variants of each base document plus the planted copies; returns the truth:
     id -> the id of the document it copies (planted copies only)."""
-    from moeflow.documents import DocWriter
+    from moeflow.core.documents import DocWriter
 
     truth: dict[str, str] = {}
     folder.mkdir(parents=True)
@@ -83,7 +83,7 @@ def _as_jsonl(folder: Path, files: int) -> None:
     """The same documents as `files` JSONL files of consecutive rows (ingest's input: a shard reads one)."""
     import pyarrow.parquet as pq
 
-    from moeflow.documents import iter_docs, shard_rows
+    from moeflow.core.documents import iter_docs, shard_rows
 
     n = pq.ParquetFile(folder / "docs.parquet").metadata.num_rows
     (jsonl := _jsonl_dir(folder)).mkdir()
@@ -123,7 +123,7 @@ def _substitution(base: list[dict], v: int) -> dict[str, str]:
 
 def base_docs(n: int, work: Path) -> list[dict]:
     from moeflow import configs, ingest
-    from moeflow.documents import iter_docs
+    from moeflow.core.documents import iter_docs
     from moeflow.sources import fetch
     from moeflow.sources.stage import packages_for
 
@@ -219,7 +219,7 @@ def bare(kind: str, docs: Path, work: Path) -> dict:
 
     from moeflow import configs
     from moeflow.configs import TokenizerConfig
-    from moeflow.ops.logs import route_loguru
+    from moeflow.core.logs import route_loguru
     from moeflow.tokenize import tokenizer
 
     route_loguru("WARNING")
@@ -294,7 +294,7 @@ def quality(truth: dict[str, str], rep_of: dict[str, str], docs: Path, threshold
 
 
 def _texts(docs: Path, ids: set[str]) -> dict[str, str]:
-    from moeflow.documents import iter_docs
+    from moeflow.core.documents import iter_docs
 
     return {d["id"]: d["text"] for d in iter_docs(docs, columns=["id", "text"]) if d["id"] in ids}
 
@@ -307,7 +307,7 @@ def _jaccard(a: str, b: str) -> float:
 
 
 def moeflow_reps(dedup_dir: Path) -> dict[str, str]:
-    from moeflow.lineage.ledger import read
+    from moeflow.core.ledger import read
 
     out = {}
     for r in read(dedup_dir).to_pylist():

@@ -27,7 +27,7 @@ import torch
 
 from moeflow import configs
 from moeflow.configs import TokenizerConfig
-from moeflow.documents import DocWriter
+from moeflow.core.documents import DocWriter
 from moeflow.moe import train
 from moeflow.sources import fetch
 from moeflow.tokenize import mix, store, tokenizer

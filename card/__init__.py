@@ -16,7 +16,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
-from moeflow.lineage import ledger
+from moeflow.core import ledger
 from moeflow.lineage.artifacts import ensure
 
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"

@@ -179,7 +179,7 @@ def export(artifact_dir: Path, out: Path) -> dict:
 
 
 def _rows(folder: str, licenses: dict[str, str]):
-    from moeflow.documents import iter_docs
+    from moeflow.core.documents import iter_docs
 
     for doc in iter_docs(Path(folder)):
         yield {"id": doc["id"], "text": doc["text"], "source": doc["source"], "domain": doc["domain"],

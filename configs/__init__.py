@@ -569,8 +569,8 @@ class RunConfig(Frozen):
 
     def store_url(self) -> str:
         """The artifact store: a local folder, or an fsspec URL (`s3://bucket/prefix`) for an object store."""
+        from moeflow.core.paths import cache_dir
         from moeflow.lineage.artifacts import is_remote
-        from moeflow.sources import cache_dir
 
         root = self.store or os.environ.get("MOEFLOW_STORE")
         if root and is_remote(root):

@@ -28,11 +28,11 @@ import pyarrow.parquet as pq
 import xxhash
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
-from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
-from moeflow.lineage.ledger import Ledger
+from moeflow.core import progress
+from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
+from moeflow.core.ledger import Ledger
+from moeflow.core.progress import tqdm
 from moeflow.moe import formats
-from moeflow.ops import progress
-from moeflow.ops.progress import tqdm
 from moeflow.sources import fetch
 
 _WORD = re.compile(r"\w+")

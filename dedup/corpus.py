@@ -32,10 +32,10 @@ import pyarrow.compute as pc
 import xxhash
 
 from moeflow.configs import DedupConfig
+from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
+from moeflow.core.ledger import Ledger
+from moeflow.core.progress import tqdm
 from moeflow.dedup import minhash
-from moeflow.documents import DocWriter, count_docs, iter_docs, join, shard_rows
-from moeflow.lineage.ledger import Ledger
-from moeflow.ops.progress import tqdm
 
 _SPACE = re.compile(r"\s+")
 EXACT = pa.schema([("hash", pa.uint64()), ("id", pa.string()), ("pos", pa.int64())])

@@ -22,9 +22,9 @@ from datatrove.data import Document
 from datatrove.pipeline import filters as dt
 
 from moeflow.configs import DATATROVE_FILTERS, FilterConfig
-from moeflow.documents import DocWriter, count_docs, iter_docs, join
-from moeflow.lineage.ledger import Ledger
-from moeflow.ops.progress import tqdm
+from moeflow.core.documents import DocWriter, count_docs, iter_docs, join
+from moeflow.core.ledger import Ledger
+from moeflow.core.progress import tqdm
 
 Verdict = bool | tuple[bool, str]
 Check = Callable[[Document], Verdict]

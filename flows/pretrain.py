@@ -9,8 +9,8 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
+from moeflow.core.logs import route_loguru, route_moeflow_logs
 from moeflow.lineage.artifacts import store_for
-from moeflow.ops.logs import route_loguru, route_moeflow_logs
 from moeflow.tasks.pipeline import Pipeline
 
 

@@ -26,13 +26,14 @@ import xxhash
 import zstandard
 
 from moeflow.configs import Format, RunConfig, SourceConfig
-from moeflow.documents import DocWriter, iter_docs, join
+from moeflow.core import ledger as ledgers
+from moeflow.core import progress
+from moeflow.core.documents import DocWriter, iter_docs, join
+from moeflow.core.ledger import Ledger
+from moeflow.core.paths import cache_dir
+from moeflow.core.progress import tqdm
 from moeflow.ingest import hf
-from moeflow.lineage import ledger as ledgers
-from moeflow.lineage.ledger import Ledger
-from moeflow.ops import progress
-from moeflow.ops.progress import tqdm
-from moeflow.sources import cache_dir, fetch
+from moeflow.sources import fetch
 
 log = logging.getLogger(__name__)
 

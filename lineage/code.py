@@ -16,13 +16,14 @@ from pathlib import Path
 
 import xxhash
 
+from moeflow.core.paths import PACKAGE_ROOT
+
 PACKAGE = "moeflow"
 # Modules that are data, not code: the registry's pins and extraction rules enter a stage's key as the
 # fetched identities of the packages it reads, so a bumped pin rebuilds only the stages reading it.
 DATA_MODULES = frozenset({"moeflow.sources.registry"})
 # Modules that only report (live progress in the Prefect UI) and never shape an artifact: not in keys.
-REPORTING_MODULES = frozenset({"moeflow.ops.progress", "moeflow.moe.live"})
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+REPORTING_MODULES = frozenset({"moeflow.core.progress", "moeflow.moe.live"})
 
 
 def module_file(module: str) -> Path | None:

@@ -7,11 +7,9 @@ import platform
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 from moeflow import __version__
-
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+from moeflow.core.paths import PACKAGE_ROOT
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,8 +24,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from moeflow.configs import ModelConfig, TrainConfig, TrainStageConfig
+from moeflow.core import progress
 from moeflow.moe import train
-from moeflow.ops import progress
 
 log = logging.getLogger(__name__)
 SPEC, RESULT = "launch.json", "launch-result.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
-from moeflow.ops import progress
+from moeflow.core import progress
 
 COLUMNS = ("step", "phase", "loss", "grad norm", "lr", "tokens/s", "MFU", "token drop",
            "imbalance per layer (max/mean)")

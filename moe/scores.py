@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from moeflow.lineage import ledger
+from moeflow.core import ledger
 from moeflow.moe import formats
 
 ITEMS = "benchmarks.jsonl"  # in the evaluate artifact, per item: log-likelihoods, prediction, gold, hits

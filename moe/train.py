@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
+from moeflow.core import progress
+from moeflow.core.progress import tqdm
 from moeflow.moe import checkpoint, device, ladder, live, parallel
 from moeflow.moe.model import Transformer
-from moeflow.ops import progress
-from moeflow.ops.progress import tqdm
 from moeflow.tokenize import mix
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 

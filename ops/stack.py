@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from moeflow.lineage.record import PACKAGE_ROOT
+from moeflow.core.paths import PACKAGE_ROOT
 
 POOL = "moeflow"
 # the watch prints every event of the run: a progress artifact's update (every two seconds a bar) is one

@@ -21,7 +21,7 @@ import zipfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-from moeflow.sources import cache_dir
+from moeflow.core.paths import cache_dir
 from moeflow.sources.registry import Package, get
 
 log = logging.getLogger(__name__)

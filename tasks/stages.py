@@ -29,10 +29,10 @@ from prefect.cache_policies import NO_CACHE
 
 from moeflow import filters, ingest
 from moeflow.configs import RunConfig, TrainStageConfig
+from moeflow.core.ledger import ConservationError
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.lineage.artifacts import Manifest, Store, store_for
-from moeflow.lineage.ledger import ConservationError
 from moeflow.sources import stage as sources
 from moeflow.tokenize import mix, tokenizer
 from moeflow.tokenize import store as token_store

@@ -8,7 +8,7 @@ import pytest
 
 from moeflow import card
 from moeflow.configs import TokenizerConfig
-from moeflow.documents import DocWriter
+from moeflow.core.documents import DocWriter
 from moeflow.tokenize import store as token_store
 from moeflow.tokenize import tokenizer
 

@@ -3,9 +3,9 @@
 import pytest
 
 from moeflow import configs
-from moeflow.documents import DocWriter
+from moeflow.core.documents import DocWriter
+from moeflow.core.ledger import ConservationError
 from moeflow.lineage.artifacts import Store
-from moeflow.lineage.ledger import ConservationError
 from moeflow.tasks.stages import materialize
 
 TEXT = "the quick brown fox jumps over the lazy dog and keeps running through the field " * 5
@@ -44,7 +44,7 @@ def test_the_ledger_streams_in_row_groups_and_still_names_a_repeated_id(tmp_path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from moeflow.lineage import ledger as ledgers
+    from moeflow.core import ledger as ledgers
 
     n = ledgers.ROWS_PER_GROUP + 4_465  # two groups: the first written while documents still arrive
     led = ledgers.Ledger("filter", tmp_path)

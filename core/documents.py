@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moeflow.lineage import ledger as ledgers
+from moeflow.core import ledger as ledgers
 
 DOCS = "docs.parquet"
 SCHEMA = pa.schema(
