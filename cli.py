@@ -223,14 +223,14 @@ def _export(args) -> int:
 
 def _runs(cfg) -> list[dict]:
     """The store's run records, oldest first."""
-    from moeflow.lineage.artifacts import store_for
+    from moeflow.store.local import store_for
 
     return store_for(cfg.store_url()).runs()
 
 
 def _manifest(cfg, stage: str, entry: dict):
     """The artifact a run record's stage entry names, in the config's store."""
-    from moeflow.lineage.artifacts import ArtifactError, store_for
+    from moeflow.store.local import ArtifactError, store_for
 
     manifest = store_for(cfg.store_url()).get(stage, entry["hash"])
     if manifest is None:
@@ -245,7 +245,7 @@ def _dir(cfg, stage: str, entry: dict) -> Path:
 
 def _store_root(args) -> Path:
     from moeflow import configs
-    from moeflow.lineage.artifacts import is_remote
+    from moeflow.store.local import is_remote
 
     url = args.store or configs.load(args.config).store_url()
     if is_remote(url):
@@ -254,10 +254,10 @@ def _store_root(args) -> Path:
 
 
 def _ls(args) -> int:
-    from moeflow.lineage import housekeeping
+    from moeflow.store import gc
 
     root = _store_root(args)
-    rows = housekeeping.listing(root, args.stage, args.keep_latest)
+    rows = gc.listing(root, args.stage, args.keep_latest)
     head = ["stage", "artifact", "size", "age", "config", "used by (latest runs)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
@@ -269,12 +269,12 @@ def _ls(args) -> int:
 
 
 def _gc(args) -> int:
-    from moeflow.lineage import housekeeping
-    from moeflow.lineage.artifacts import ArtifactError
+    from moeflow.store import gc
+    from moeflow.store.local import ArtifactError
 
     try:
-        older = housekeeping.parse_age(args.older_than) if args.older_than else None
-        done = housekeeping.gc(_store_root(args), args.keep_latest, older, args.dry_run,
+        older = gc.parse_age(args.older_than) if args.older_than else None
+        done = gc.gc(_store_root(args), args.keep_latest, older, args.dry_run,
                                wait=not args.no_wait)
     except (ValueError, ArtifactError) as e:
         print(f"moeflow gc: {e}", file=sys.stderr)

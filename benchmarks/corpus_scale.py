@@ -172,7 +172,7 @@ def warm(_: int) -> int:
 
 def part(spec: dict) -> dict:
     """One part (or the join) of a stage in a pool worker: seconds, and the worker's peak RSS so far."""
-    from moeflow.lineage.artifacts import Manifest
+    from moeflow.store.local import Manifest
     from moeflow.tasks.stages import materialize
 
     cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"), spec.get("domains"))
@@ -187,7 +187,7 @@ def part(spec: dict) -> dict:
 def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[str, str], **more) -> dict:
     """Every phase's parts on `workers` warm processes, then the join (or the stage's one task): wall
     seconds, peak worker RSS. `more`: `_config`'s `jsonl`, `steps` and `domains`."""
-    from moeflow.lineage.artifacts import Manifest
+    from moeflow.store.local import Manifest
     from moeflow.tasks.stages import STAGES
 
     cfg = _config(store, shards, **more)
@@ -327,7 +327,7 @@ def datatrove_quality(removed: list[str], truth: dict[str, str]) -> dict:
 
 
 def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
-    from moeflow.lineage.artifacts import Store
+    from moeflow.store.local import Store
     from moeflow.tasks.stages import materialize
 
     corpus = build_corpus(work / f"corpus{scale}", base, scale)

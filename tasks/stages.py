@@ -32,8 +32,8 @@ from moeflow.configs import RunConfig, TrainStageConfig
 from moeflow.core.ledger import ConservationError
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import code, keys, openlineage, record
-from moeflow.lineage.artifacts import Manifest, Store, store_for
 from moeflow.sources import stage as sources
+from moeflow.store.local import Manifest, Store, store_for
 from moeflow.tokenize import mix, tokenizer
 from moeflow.tokenize import store as token_store
 

@@ -101,7 +101,7 @@ def join_parts(folder: Path, n: int, build, merge, cfg=None, phase: str = "shard
 
 def manifest_of(entry: dict) -> dict:
     """The manifest of a run record's stage entry, from a local store or an object store."""
-    from moeflow.lineage.artifacts import is_remote, store_for
+    from moeflow.store.local import is_remote, store_for
 
     if is_remote(entry["artifact"]):
         url, stage, _, _ = entry["artifact"].rsplit("/", 3)

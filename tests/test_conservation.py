@@ -5,7 +5,7 @@ import pytest
 from moeflow import configs
 from moeflow.core.documents import DocWriter
 from moeflow.core.ledger import ConservationError
-from moeflow.lineage.artifacts import Store
+from moeflow.store.local import Store
 from moeflow.tasks.stages import materialize
 
 TEXT = "the quick brown fox jumps over the lazy dog and keeps running through the field " * 5

@@ -188,7 +188,7 @@ def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_pat
     """
     import shutil
 
-    from moeflow.lineage.artifacts import ArtifactError, Manifest
+    from moeflow.store.local import ArtifactError, Manifest
 
     caught = 0
     for stage, arts in _artifacts(reference).items():

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.lineage import housekeeping
-from moeflow.lineage.artifacts import Manifest, Store
+from moeflow.store import gc
+from moeflow.store.local import Manifest, Store
 
 
 def _artifact(store: Store, stage: str, key: str, config: str, inputs: dict | None = None) -> Path:
@@ -42,19 +42,19 @@ def test_gc_keeps_what_kept_runs_use_and_their_upstream(tmp_path):
     _run_record(store, "r2", "a", [a_up])  # reaches a_new through its lineage inputs
     _run_record(store, "r3", "b", [b])
     leftover = store.staging("filter")  # a dead writer's staging folder
-    rows = {r[1]: r for r in housekeeping.listing(store.root)}
+    rows = {r[1]: r for r in gc.listing(store.root)}
     assert rows["ingest-a1"][5] == "-" and rows["ingest-a2"][5] == "a" and rows["ingest-b1"][5] == "b"
-    assert housekeeping.gc(store.root, dry_run=True, say=lambda _: None)["artifacts"] == 2
+    assert gc.gc(store.root, dry_run=True, say=lambda _: None)["artifacts"] == 2
     assert a_old.exists() and orphan.exists() and leftover.exists()  # a dry run removes nothing
-    done = housekeeping.gc(store.root, say=lambda _: None)
+    done = gc.gc(store.root, say=lambda _: None)
     assert (done["artifacts"], done["stale"]) == (2, 1)
     assert not a_old.exists() and not orphan.exists() and not leftover.exists()
     for kept in (a_new, a_up, b):
         Manifest.read(kept).verify()
-    assert housekeeping.gc(store.root, keep_latest=0, older_than=housekeeping.parse_age("10000w"),
+    assert gc.gc(store.root, keep_latest=0, older_than=gc.parse_age("10000w"),
                            say=lambda _: None)["artifacts"] == 0  # nothing that old
     with pytest.raises(ValueError, match="unit"):
-        housekeeping.parse_age("7 days")
+        gc.parse_age("7 days")
 
 
 def test_gc_waits_for_a_run_and_loses_nothing_it_needs(prefect_server, smoke_data, tmp_path):
@@ -79,8 +79,8 @@ def test_gc_waits_for_a_run_and_loses_nothing_it_needs(prefect_server, smoke_dat
     assert run.poll() is None, run.stdout.read()
     said: list[str] = []
     with pytest.raises(Exception, match="in use"):
-        housekeeping.gc(store.root, wait=False, say=said.append)
-    done = housekeeping.gc(store.root, say=said.append)  # waits for the run
+        gc.gc(store.root, wait=False, say=said.append)
+    done = gc.gc(store.root, say=said.append)  # waits for the run
     out = run.communicate()[0]
     assert run.returncode == 0, out
     assert any("waiting" in s for s in said), said

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import manifest_of, write_config
-from moeflow.lineage.artifacts import Manifest
 from moeflow.moe.launch import free_port
+from moeflow.store.local import Manifest
 
 WHOLE = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize",
          "overlap", "mix")

@@ -4,7 +4,7 @@
 content hashes of its inputs, so an artifact's path is its version. `content_hash` covers the
 bytes it holds (the xxh3 of every file), so downstream stages rerun only when it changes.
 An artifact is written to a temporary folder and renamed into place; a folder without a complete
-manifest is never read. A store at an fsspec URL (`s3://...`) is `lineage.objstore`'s: `store_for` picks.
+manifest is never read. A store at an fsspec URL (`s3://...`) is `store.remote`'s: `store_for` picks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import xxhash
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
 RUN_LOCK = ".runs.lock"  # held shared by every run, exclusively by `moeflow gc`
-ORIGIN = ".moeflow-origin"  # in an object store's mirror (`lineage.objstore`): the store's URL
+ORIGIN = ".moeflow-origin"  # in an object store's mirror (`store.remote`): the store's URL
 
 
 class ArtifactError(RuntimeError):
@@ -84,17 +84,17 @@ class Manifest:
         (verified as it comes)."""
         if not self.remote:
             return Path(self.path)
-        from moeflow.lineage import objstore
+        from moeflow.store import remote
 
-        return objstore.pull(self)
+        return remote.pull(self)
 
     def lineage(self) -> dict:
         """The artifact's lineage record (only that file is fetched from an object store)."""
         if not self.remote:
             return json.loads((self.dir / LINEAGE).read_text())
-        from moeflow.lineage import objstore
+        from moeflow.store import remote
 
-        return json.loads(objstore.pull_file(self, LINEAGE).read_text())
+        return json.loads(remote.pull_file(self, LINEAGE).read_text())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,9 +135,9 @@ def store_for(url: str | os.PathLike):
     """The store at `url`: a local folder (a plain path or `file://`), else an object store."""
     if not is_remote(url):
         return Store(str(url).removeprefix("file://"))
-    from moeflow.lineage import objstore
+    from moeflow.store import remote
 
-    return objstore.ObjectStore(str(url))
+    return remote.ObjectStore(str(url))
 
 
 def ensure(folder: Path, rel: str) -> Path:
@@ -145,9 +145,9 @@ def ensure(folder: Path, rel: str) -> Path:
     the mirror holds the artifact's current content)."""
     if not (Path(folder).parent.parent / ORIGIN).exists():
         return Path(folder) / rel
-    from moeflow.lineage import objstore
+    from moeflow.store import remote
 
-    return objstore.ensure(Path(folder), rel)
+    return remote.ensure(Path(folder), rel)
 
 
 class Store:

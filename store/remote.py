@@ -29,9 +29,9 @@ from pathlib import Path, PurePosixPath
 import fsspec
 import xxhash
 
-from moeflow.lineage import artifacts
-from moeflow.lineage.artifacts import LINEAGE, MANIFEST, ORIGIN, ArtifactError, Manifest, Store
-from moeflow.lineage.lease import Lease
+from moeflow.store import local as artifacts
+from moeflow.store.lease import Lease
+from moeflow.store.local import LINEAGE, MANIFEST, ORIGIN, ArtifactError, Manifest, Store
 
 log = logging.getLogger(__name__)
 
