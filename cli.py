@@ -223,14 +223,15 @@ def _export(args) -> int:
 
 def _runs(cfg) -> list[dict]:
     """The store's run records, oldest first."""
-    from moeflow.store.local import store_for
+    from moeflow.store.url import store_for
 
     return store_for(cfg.store_url()).runs()
 
 
 def _manifest(cfg, stage: str, entry: dict):
     """The artifact a run record's stage entry names, in the config's store."""
-    from moeflow.store.local import ArtifactError, store_for
+    from moeflow.store.format import ArtifactError
+    from moeflow.store.url import store_for
 
     manifest = store_for(cfg.store_url()).get(stage, entry["hash"])
     if manifest is None:
@@ -245,7 +246,7 @@ def _dir(cfg, stage: str, entry: dict) -> Path:
 
 def _store_root(args) -> Path:
     from moeflow import configs
-    from moeflow.store.local import is_remote
+    from moeflow.store.format import is_remote
 
     url = args.store or configs.load(args.config).store_url()
     if is_remote(url):
@@ -270,7 +271,7 @@ def _ls(args) -> int:
 
 def _gc(args) -> int:
     from moeflow.store import gc
-    from moeflow.store.local import ArtifactError
+    from moeflow.store.format import ArtifactError
 
     try:
         older = gc.parse_age(args.older_than) if args.older_than else None

@@ -17,7 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from moeflow.card import plots
 from moeflow.core import ledger
-from moeflow.store.local import ensure
+from moeflow.store.url import ensure
 
 CARD, REPORT, HTML, DAG = "README.md", "lineage_report.md", "lineage_report.html", "lineage.svg"
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")

@@ -570,7 +570,7 @@ class RunConfig(Frozen):
     def store_url(self) -> str:
         """The artifact store: a local folder, or an fsspec URL (`s3://bucket/prefix`) for an object store."""
         from moeflow.core.paths import cache_dir
-        from moeflow.store.local import is_remote
+        from moeflow.store.format import is_remote
 
         root = self.store or os.environ.get("MOEFLOW_STORE")
         if root and is_remote(root):
@@ -583,11 +583,11 @@ class RunConfig(Frozen):
 
     def store_path(self) -> Path:
         """The store's local folder: the store itself, or this node's mirror of an object store."""
-        from moeflow.store.local import is_remote
+        from moeflow.store.format import is_remote
 
         url = self.store_url()
         if is_remote(url):
-            from moeflow.store.remote import mirror_root
+            from moeflow.store.mirror import mirror_root
 
             return mirror_root(url)
         return Path(url)

@@ -10,7 +10,7 @@ from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
 from moeflow.core.logs import route_loguru, route_moeflow_logs
-from moeflow.store.local import store_for
+from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import Pipeline
 
 

@@ -71,7 +71,7 @@ def _package(name: str) -> dict:
 
 def file_identity(path: str) -> dict:
     """A single file the user names (their tokenizer.json): path, size and the xxh3 of its bytes."""
-    from moeflow.store.local import file_xxh3
+    from moeflow.store.format import file_xxh3
 
     p = Path(path).expanduser().resolve()
     return {"path": str(p), "bytes": p.stat().st_size, "xxh3": file_xxh3(p)}

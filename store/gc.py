@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from moeflow.store.local import LINEAGE, MANIFEST, Store
+from moeflow.store.format import LINEAGE, MANIFEST
+from moeflow.store.local import Store
 
 AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}

@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import PurePosixPath
 
-from moeflow.store.local import ArtifactError
+from moeflow.store.format import ArtifactError
 
 log = logging.getLogger(__name__)
 _ATOMIC: dict[str, bool] = {}  # fsspec protocol -> whether create-if-absent is atomic

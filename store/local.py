@@ -4,14 +4,13 @@
 content hashes of its inputs, so an artifact's path is its version. `content_hash` covers the
 bytes it holds (the xxh3 of every file), so downstream stages rerun only when it changes.
 An artifact is written to a temporary folder and renamed into place; a folder without a complete
-manifest is never read. A store at an fsspec URL (`s3://...`) is `store.remote`'s: `store_for` picks.
+manifest is never read. A store at an fsspec URL (`s3://...`) is `store.remote`'s: `store.url.store_for` picks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -23,40 +22,18 @@ from typing import Any
 
 import xxhash
 
-MANIFEST = "manifest.json"
-LINEAGE = "lineage.json"
-RUN_LOCK = ".runs.lock"  # held shared by every run, exclusively by `moeflow gc`
-ORIGIN = ".moeflow-origin"  # in an object store's mirror (`store.remote`): the store's URL
-
-
-class ArtifactError(RuntimeError):
-    """A stored artifact is missing, incomplete or corrupt; the message says how to rebuild it."""
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def stage_hash(stage: str, version: int, config: Any, inputs: dict[str, str]) -> str:
-    """The key of a stage's output: stage, code version, config that matters, input content hashes."""
-    payload = canonical_json({"stage": stage, "version": version, "config": config, "inputs": inputs})
-    return xxhash.xxh3_64_hexdigest(payload.encode())
-
-
-def file_xxh3(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, xxhash.xxh3_64).hexdigest()
-
-
-_SEEN: dict[tuple, str] = {}  # (path, inode, size, mtime) -> the xxh3 this process read
-
-
-def _checksum(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _SEEN:
-        _SEEN[key] = file_xxh3(path)
-    return _SEEN[key]
+from moeflow.store import mirror
+from moeflow.store.format import (
+    LINEAGE,
+    MANIFEST,
+    RUN_LOCK,
+    ArtifactError,
+    canonical_json,
+    corrupt,
+    file_xxh3,
+    is_remote,
+    matches,
+)
 
 
 @dataclass(frozen=True)
@@ -84,17 +61,13 @@ class Manifest:
         (verified as it comes)."""
         if not self.remote:
             return Path(self.path)
-        from moeflow.store import remote
-
-        return remote.pull(self)
+        return mirror.pull(self)
 
     def lineage(self) -> dict:
         """The artifact's lineage record (only that file is fetched from an object store)."""
         if not self.remote:
             return json.loads((self.dir / LINEAGE).read_text())
-        from moeflow.store import remote
-
-        return json.loads(remote.pull_file(self, LINEAGE).read_text())
+        return json.loads(mirror.pull_file(self, LINEAGE).read_text())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,39 +88,6 @@ class Manifest:
         for rel, meta in self.files.items():
             if not matches(folder / rel, meta):
                 raise corrupt(folder / rel, folder / MANIFEST, self.stage)
-
-
-def matches(path: Path, meta: dict) -> bool:
-    return path.exists() and path.stat().st_size == meta["bytes"] and _checksum(path) == meta["xxh3"]
-
-
-def corrupt(what: Any, manifest: Any, stage: str) -> ArtifactError:
-    return ArtifactError(f"{what} is missing or does not match its checksum in {manifest}; "
-                         f"rebuild it with `moeflow run CONFIG --rerun {stage.split('.')[0]}`")
-
-
-def is_remote(url: str | os.PathLike) -> bool:
-    """An fsspec URL other than a local file one: `s3://bucket/prefix`, `gs://...`."""
-    return "://" in str(url) and not str(url).startswith("file://")
-
-
-def store_for(url: str | os.PathLike):
-    """The store at `url`: a local folder (a plain path or `file://`), else an object store."""
-    if not is_remote(url):
-        return Store(str(url).removeprefix("file://"))
-    from moeflow.store import remote
-
-    return remote.ObjectStore(str(url))
-
-
-def ensure(folder: Path, rel: str) -> Path:
-    """`folder/rel`, fetched first when `folder` is an object store's artifact in this node's mirror (unless
-    the mirror holds the artifact's current content)."""
-    if not (Path(folder).parent.parent / ORIGIN).exists():
-        return Path(folder) / rel
-    from moeflow.store import remote
-
-    return remote.ensure(Path(folder), rel)
 
 
 class Store:

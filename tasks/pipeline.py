@@ -11,7 +11,8 @@ import os
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
-from moeflow.store.local import Manifest, store_for
+from moeflow.store.local import Manifest
+from moeflow.store.url import store_for
 from moeflow.tasks.stages import STAGES, TASKS, Inputs, artifact_key
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from moeflow.core.ledger import ConservationError
 from moeflow.dedup import contamination, corpus
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.sources import stage as sources
-from moeflow.store.local import Manifest, Store, store_for
+from moeflow.store.local import Manifest, Store
+from moeflow.store.url import store_for
 from moeflow.tokenize import mix, tokenizer
 from moeflow.tokenize import store as token_store
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from moeflow.configs import RunConfig
 from moeflow.lineage import keys
-from moeflow.store.local import Manifest, is_remote, store_for
+from moeflow.store.format import is_remote
+from moeflow.store.local import Manifest
+from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import check_stages
 from moeflow.tasks.stages import STAGES, key_parts
 

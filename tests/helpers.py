@@ -101,7 +101,8 @@ def join_parts(folder: Path, n: int, build, merge, cfg=None, phase: str = "shard
 
 def manifest_of(entry: dict) -> dict:
     """The manifest of a run record's stage entry, from a local store or an object store."""
-    from moeflow.store.local import is_remote, store_for
+    from moeflow.store.format import is_remote
+    from moeflow.store.url import store_for
 
     if is_remote(entry["artifact"]):
         url, stage, _, _ = entry["artifact"].rsplit("/", 3)

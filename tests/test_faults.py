@@ -188,7 +188,8 @@ def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_pat
     """
     import shutil
 
-    from moeflow.store.local import ArtifactError, Manifest
+    from moeflow.store.format import ArtifactError
+    from moeflow.store.local import Manifest
 
     caught = 0
     for stage, arts in _artifacts(reference).items():

@@ -341,7 +341,7 @@ def test_report_diffs_configs_and_drills_down_to_raw_files(cold, tmp_path):
 
 
 def test_a_corrupted_shard_is_caught_before_training(cold, tmp_path):
-    from moeflow.store.local import ArtifactError
+    from moeflow.store.format import ArtifactError
 
     path, first = cold
     shard = Path(first["stages"]["mix"]["artifact"]) / "train.arrow"

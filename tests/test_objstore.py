@@ -16,9 +16,11 @@ import pytest
 from test_faults import _kill_inside
 
 from helpers import manifest_of, write_config
+from moeflow.store.format import ArtifactError
 from moeflow.store.lease import Lease
-from moeflow.store.local import ArtifactError, Manifest, store_for
+from moeflow.store.local import Manifest
 from moeflow.store.remote import ObjectStore
+from moeflow.store.url import store_for
 
 DETERMINISTIC = ("ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize",
                  "overlap", "mix", "evaluate")
@@ -60,7 +62,7 @@ def test_without_a_kept_mirror_a_process_reads_into_scratch_it_removes(s3, tmp_p
     tmp = store.staging("mix")
     _write(tmp, 2, 100, 0)
     store.commit("mix", "k", tmp, {}, {"stage": "mix"})
-    code = ("import sys; from moeflow.store.local import store_for; "
+    code = ("import sys; from moeflow.store.url import store_for; "
             "d = store_for(sys.argv[1]).get('mix', 'k').dir; print(d); assert (d / 'part-001.bin').exists()")
     out = subprocess.run([sys.executable, "-c", code, url], env={**os.environ, "MOEFLOW_STORE_CACHE": "none"},
                          capture_output=True, text=True)
@@ -279,7 +281,7 @@ def test_a_corrupted_object_is_caught_naming_the_file_and_the_rerun(on_s3, tmp_p
 @pytest.mark.parametrize("stage", ("filter", "dedup", "tokenize", "mix", "train"))
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_of_a_run_on_s3_then_rerun_gives_the_same_artifacts(on_s3, s3, tmp_path, stage, seed):
-    from moeflow.store.remote import mirror_root
+    from moeflow.store.mirror import mirror_root
 
     url = f"{_bucket(s3)}/chaos"
     config = write_config(tmp_path / "smoke.yaml", store=url)
