@@ -54,6 +54,6 @@ fuzz: setup
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-# the prepared GPU verification (ops/gpu_check.py): one JSON line last; without CUDA it says so and exits 0
+# the prepared GPU verification (moe/gpu_check.py): one JSON line last; without CUDA it says so and exits 0
 gpu-check: setup
-	$(BIN)/python -m moeflow.ops.gpu_check
+	$(BIN)/python -m moeflow.moe.gpu_check

@@ -42,7 +42,7 @@ def _gpu_check(*args: str) -> dict:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "moeflow.ops.gpu_check", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "moeflow.moe.gpu_check", *args], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])

@@ -16,7 +16,7 @@ import browser
 import pytest
 
 from moeflow import card
-from moeflow.ops.stack import LocalStack
+from moeflow.cli.stack import LocalStack
 
 pytestmark = pytest.mark.e2e
 

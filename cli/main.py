@@ -110,8 +110,8 @@ def _card(args) -> int:
 
 def _up(args) -> int:
     from moeflow import configs
+    from moeflow.cli.stack import LocalStack, StackError
     from moeflow.core.paths import PACKAGE_ROOT
-    from moeflow.ops.stack import LocalStack, StackError
 
     store = configs.load(args.preset).store_path()
     home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
@@ -144,8 +144,8 @@ def _up(args) -> int:
 
 
 def _down(args) -> int:
+    from moeflow.cli.stack import LocalStack
     from moeflow.core.paths import PACKAGE_ROOT
-    from moeflow.ops.stack import LocalStack
 
     kept = LocalStack.stop_kept(Path(args.home) if args.home else PACKAGE_ROOT / ".prefect")
     print(f"stopped the stack at {kept['ui']}" if kept else "no stack left running by `moeflow up --keep`")
@@ -426,6 +426,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moeflow: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
