@@ -66,7 +66,7 @@ def _print_summary(stages: dict[str, dict]) -> None:
 
 def _why(args) -> int:
     from moeflow import configs
-    from moeflow.tasks import why
+    from moeflow.flows import why
 
     plans = why.why(configs.load(args.config), args.stage, tuple(args.rerun or ()))
     if args.stage:

@@ -32,7 +32,7 @@ from moeflow.core import progress
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
-from moeflow.moe import formats
+from moeflow.dedup import formats
 from moeflow.sources import fetch
 
 _WORD = re.compile(r"\w+")

@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from moeflow.core import ledger
-from moeflow.moe import formats
+from moeflow.dedup import formats
 
 ITEMS = "benchmarks.jsonl"  # in the evaluate artifact, per item: log-likelihoods, prediction, gold, hits
 

@@ -3,7 +3,7 @@
 lm-eval's own task configs (its YAMLs, `!function` helpers and `process_docs` included) are given the
 package's rows in place of a hub download; its `TemplateLM` encodes each request and calls a minimal
 `LM` around the smoke model, one request at a time with lm-eval's truncation; its `process_results`
-gives `acc` / `acc_norm`. Our side is `moe.formats`, `moe.evaluate` (batched) and `moe.scores`, as the
+gives `acc` / `acc_norm`. Our side is `dedup.formats`, `moe.evaluate` (batched) and `moe.scores`, as the
 `evaluate` stage runs them.
 """
 
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from moeflow import configs
-from moeflow.dedup import contamination
-from moeflow.moe import evaluate, formats, scores
+from moeflow.dedup import contamination, formats
+from moeflow.moe import evaluate, scores
 from moeflow.tokenize import tokenizer
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: pip install -e '.[dev]'")

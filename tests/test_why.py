@@ -11,8 +11,8 @@ import pytest
 
 from helpers import write_config
 from moeflow import configs
+from moeflow.flows import why
 from moeflow.lineage import code, keys
-from moeflow.tasks import why
 from moeflow.tasks.stages import STAGES, key_parts
 
 ROOT = Path(__file__).resolve().parent.parent
