@@ -289,7 +289,13 @@ def _gc(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeflow", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_run_commands, _stack_commands, _card_commands, _store_commands, _explain_command):
+        add(sub)
+    return p
 
+
+def _run_commands(sub) -> None:
+    """run, why, fetch."""
     r = sub.add_parser(
         "run",
         help="run the pipeline flow in this process (cached per stage)",
@@ -332,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--package", nargs="+", metavar="NAME", help="fetch only these packages")
     f.set_defaults(fn=_fetch)
 
+
+def _stack_commands(sub) -> None:
+    """up, down: the local Prefect server and worker."""
     u = sub.add_parser(
         "up",
         help="start a local Prefect server (UI on 127.0.0.1) and worker, run pretrain/PRESET, stop",
@@ -351,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PREFECT_HOME given to `up` (default: .prefect in the checkout)")
     d.set_defaults(fn=_down)
 
+
+def _card_commands(sub) -> None:
+    """card, export: documents generated from lineage."""
     c = sub.add_parser(
         "card",
         help="regenerate a model card and lineage report from an artifact's lineage alone",
@@ -373,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--stage", default="decontaminate", choices=["ingest", "filter", "dedup", "decontaminate"])
     x.set_defaults(fn=_export)
 
+
+def _store_commands(sub) -> None:
+    """ls, gc: the artifact store."""
     ls_ = sub.add_parser(
         "ls",
         help="list the store's artifacts: size, age, config, and which configs' latest runs use them",
@@ -400,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="runs kept per config (default 1)")
         parser.set_defaults(fn=fn)
 
+
+def _explain_command(sub) -> None:
     e = sub.add_parser(
         "explain",
         help="show a document's fate in every stage of the latest complete run",
@@ -409,7 +426,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("doc_id", metavar="DOC_ID")
     e.add_argument("--config", default="tiny", metavar="CONFIG")
     e.set_defaults(fn=_explain)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

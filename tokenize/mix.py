@@ -182,82 +182,18 @@ def run(
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
-    length = {
-        r["doc_id"]: r["tokens"] for r in index
-    }  # sampling and packing need lengths; tokens are read last
-    by_domain: dict[str, list[str]] = {}
-    for r in index:
-        if r["tokens"] > 0:
-            by_domain.setdefault(r["domain"], []).append(r["doc_id"])
-    for ph in phases:
-        missing = sorted(d for d, w in ph.weights.items() if w > 0 and d not in by_domain)
-        if missing:
-            raise ConfigError(
-                f"mix: phase {ph.name!r} asks for domains {missing}, but no document of them survived "
-                "the data stages"
-            )
-    heldout: dict[str, list[str]] = {}
-    train: dict[str, list[str]] = {}
-    for domain, ids in sorted(by_domain.items()):
-        ho = [d for d in ids if is_heldout(d, cfg.heldout_fraction)]
-        if not ho and len(ids) >= 2:
-            ho = [min(ids, key=lambda d: xxhash.xxh3_64_intdigest(d.encode()))]
-        heldout[domain] = ho
-        held = set(ho)
-        train[domain] = [d for d in ids if d not in held]
-
+    length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
+    train, heldout = _split_heldout(_by_domain(index, phases), cfg.heldout_fraction)
     rng = np.random.default_rng(seed)
     domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
     all_segments, phase_col, plan = [], [], []
     for ph in phases:
-        num_sequences = ph.steps * batch_size
-        budget = num_sequences * (ph.seq_len + 1)
-        total_w = sum(w for w in ph.weights.values() if w > 0)
-        drawn: list[tuple[str, int, bool]] = []
-        targets = {}
-        for domain, weight in sorted(ph.weights.items()):
-            if weight <= 0 or domain not in domains:
-                continue
-            target = targets[domain] = int(budget * weight / total_w) + 1
-            got, source = 0, domains[domain]
-            while got < target:
-                doc_id = source.next()
-                take = min(length[doc_id], target - got)  # the last document may be cut to the budget
-                drawn.append((doc_id, take, take == length[doc_id]))
-                got += take + 1
-            if source.epochs > cfg.max_epochs:
-                field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
-                raise ConfigError(
-                    f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
-                    f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
-                    f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs"
-                )
-        order = rng.permutation(len(drawn))
-        segments = pack([drawn[i] for i in order], ph.seq_len, max_sequences=num_sequences)
-        if len(segments) < num_sequences:
-            raise ValueError(
-                f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences"
-            )
-        # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
-        # fill many consecutive batches, and the loss would swing with whatever document is current.
-        perm = rng.permutation(len(segments))
-        all_segments += [segments[i] for i in perm]
+        drawn, targets = _draw(cfg, ph, ph.steps * batch_size * (ph.seq_len + 1), domains, length, domain_tokens)
+        segments = _packed(ph, drawn, ph.steps * batch_size, rng)
+        all_segments += segments
         phase_col += [ph.index] * len(segments)
-        plan.append(
-            {
-                "name": ph.name,
-                "start_step": ph.start_step,
-                "steps": ph.steps,
-                "seq_len": ph.seq_len,
-                "sequences": len(segments),
-                "tokens": len(segments) * (ph.seq_len + 1),
-                "weights": ph.weights,
-                "target_tokens": targets,
-                "tokens_per_domain": _per_domain([segments[i] for i in perm], index),
-                "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs},
-            }
-        )
+        plan.append(_phase_record(ph, segments, targets, index, domains))
     last = phases[-1].seq_len
     ho_segs, ho_domains = [], []
     for domain, ids in sorted(heldout.items()):
@@ -286,6 +222,91 @@ def run(
         "heldout_documents": {d: len(v) for d, v in sorted(heldout.items())},
         "heldout_sequences": {d: ho_domains.count(d) for d in sorted(heldout)},
         "heldout_doc_ids": {d: sorted(v) for d, v in sorted(heldout.items())},
+    }
+
+
+def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:
+    """Domain -> ids of its documents with tokens; a phase asking for a domain with none is an error."""
+    by_domain: dict[str, list[str]] = {}
+    for r in index:
+        if r["tokens"] > 0:
+            by_domain.setdefault(r["domain"], []).append(r["doc_id"])
+    for ph in phases:
+        missing = sorted(d for d, w in ph.weights.items() if w > 0 and d not in by_domain)
+        if missing:
+            raise ConfigError(
+                f"mix: phase {ph.name!r} asks for domains {missing}, but no document of them survived "
+                "the data stages"
+            )
+    return by_domain
+
+
+def _split_heldout(by_domain: dict[str, list[str]], fraction: float) -> tuple[dict, dict]:
+    """(train, heldout) ids per domain; a domain of two or more documents holds out at least one."""
+    heldout: dict[str, list[str]] = {}
+    train: dict[str, list[str]] = {}
+    for domain, ids in sorted(by_domain.items()):
+        ho = [d for d in ids if is_heldout(d, fraction)]
+        if not ho and len(ids) >= 2:
+            ho = [min(ids, key=lambda d: xxhash.xxh3_64_intdigest(d.encode()))]
+        heldout[domain] = ho
+        held = set(ho)
+        train[domain] = [d for d in ids if d not in held]
+    return train, heldout
+
+
+def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain], length: dict[str, int],
+          domain_tokens: dict[str, int]) -> tuple[list[tuple[str, int, bool]], dict[str, int]]:
+    """The documents a phase samples, by domain weight, up to its token budget: (drawn, target per domain)."""
+    total_w = sum(w for w in ph.weights.values() if w > 0)
+    drawn: list[tuple[str, int, bool]] = []
+    targets = {}
+    for domain, weight in sorted(ph.weights.items()):
+        if weight <= 0 or domain not in domains:
+            continue
+        target = targets[domain] = int(budget * weight / total_w) + 1
+        got, source = 0, domains[domain]
+        while got < target:
+            doc_id = source.next()
+            take = min(length[doc_id], target - got)  # the last document may be cut to the budget
+            drawn.append((doc_id, take, take == length[doc_id]))
+            got += take + 1
+        if source.epochs > cfg.max_epochs:
+            field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
+            raise ConfigError(
+                f"{field}: phase {ph.name!r} needs domain {domain!r} repeated {source.epochs} times "
+                f"(it holds {domain_tokens[domain]:,} training tokens), over mix.max_epochs = "
+                f"{cfg.max_epochs:g}; lower its weight or the phase's budget, or raise mix.max_epochs"
+            )
+    return drawn, targets
+
+
+def _packed(ph: Phase, drawn: list[tuple[str, int, bool]], num_sequences: int,
+            rng: np.random.Generator) -> list[list[dict]]:
+    """The phase's drawn documents shuffled, packed into `num_sequences` sequences, shuffled again."""
+    order = rng.permutation(len(drawn))
+    segments = pack([drawn[i] for i in order], ph.seq_len, max_sequences=num_sequences)
+    if len(segments) < num_sequences:
+        raise ValueError(f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences")
+    # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
+    # fill many consecutive batches, and the loss would swing with whatever document is current.
+    perm = rng.permutation(len(segments))
+    return [segments[i] for i in perm]
+
+
+def _phase_record(ph: Phase, segments: list[list[dict]], targets: dict[str, int], index: list[dict],
+                  domains: dict[str, _Domain]) -> dict:
+    return {
+        "name": ph.name,
+        "start_step": ph.start_step,
+        "steps": ph.steps,
+        "seq_len": ph.seq_len,
+        "sequences": len(segments),
+        "tokens": len(segments) * (ph.seq_len + 1),
+        "weights": ph.weights,
+        "target_tokens": targets,
+        "tokens_per_domain": _per_domain(segments, index),
+        "epochs_after": {d: s.epochs for d, s in domains.items() if s.epochs},
     }
 
 
