@@ -28,20 +28,7 @@ import yaml
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="smoke", help="preset or YAML path (default smoke)")
-    ap.add_argument("--shards", type=int, default=2, help="filter shards (default 2)")
-    ap.add_argument(
-        "--workers", type=int, default=os.cpu_count(), help="processes / Ray CPUs (default: all cores)"
-    )
-    ap.add_argument("--ranks", type=int, default=2, help="training ranks with expert parallelism (default 2)")
-    ap.add_argument("--steps", type=int, default=30, help="training steps of each run (default 30)")
-    ap.add_argument(
-        "--d-model", type=int, help="training: model width (expert width twice it; default: the config's)"
-    )
-    ap.add_argument("--experts", type=int, help="training: experts per layer (default: the config's)")
-    args = ap.parse_args()
-
+    args = _args()
     from prefect.testing.utilities import prefect_test_harness
 
     from moeflow import configs
@@ -58,28 +45,7 @@ def main() -> None:
     figures: dict = {"config": args.config, "shards": args.shards, "workers": args.workers}
     with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=90):
         for runner in ("processes", "ray", "dask"):
-            cfg = {
-                **base,
-                "store": str(Path(tmp) / runner),
-                "filter": {**base.get("filter", {}), "shards": args.shards},
-                "execution": {"runner": runner, "workers": args.workers},
-            }
-            path = Path(tmp) / f"{runner}.yaml"
-            path.write_text(yaml.safe_dump(cfg))
-            t0 = time.perf_counter()
-            out = pretrain(config=str(path), until="filter")
-            wall = time.perf_counter() - t0
-            shard_seconds = [
-                json.loads((Path(v["artifact"]) / "lineage.json").read_text())["seconds"]
-                for k, v in out["stages"].items()
-                if k.startswith("filter[")
-            ]
-            figures[f"{runner}_wall_s"] = round(wall, 1)
-            figures[f"{runner}_shard_seconds"] = shard_seconds
-            figures[f"{runner}_filter_content_hash"] = out["stages"]["filter"]["content_hash"]
-            print(
-                f"{runner:9s}: {wall:6.1f} s to the end of filter; shards took {shard_seconds} s", flush=True
-            )
+            figures.update(_filter_on(runner, base, args, Path(tmp), pretrain))
         out = pretrain(config=str(Path(tmp) / "processes.yaml"), until="mix")  # reuses that store's stages
         figures.update(
             training(configs.load(str(Path(tmp) / "processes.yaml")), out["stages"], args, Path(tmp))
@@ -99,6 +65,48 @@ def main() -> None:
         f"largest loss difference {figures['ep_max_loss_diff']:.2e}"
     )
     print(json.dumps(figures))
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="smoke", help="preset or YAML path (default smoke)")
+    ap.add_argument("--shards", type=int, default=2, help="filter shards (default 2)")
+    ap.add_argument(
+        "--workers", type=int, default=os.cpu_count(), help="processes / Ray CPUs (default: all cores)"
+    )
+    ap.add_argument("--ranks", type=int, default=2, help="training ranks with expert parallelism (default 2)")
+    ap.add_argument("--steps", type=int, default=30, help="training steps of each run (default 30)")
+    ap.add_argument(
+        "--d-model", type=int, help="training: model width (expert width twice it; default: the config's)"
+    )
+    ap.add_argument("--experts", type=int, help="training: experts per layer (default: the config's)")
+    return ap.parse_args()
+
+
+def _filter_on(runner: str, base: dict, args, tmp: Path, pretrain) -> dict:
+    """The flow to the end of filter on one task runner, in a store of its own: wall time, shard times, output."""
+    cfg = {
+        **base,
+        "store": str(tmp / runner),
+        "filter": {**base.get("filter", {}), "shards": args.shards},
+        "execution": {"runner": runner, "workers": args.workers},
+    }
+    path = tmp / f"{runner}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.perf_counter()
+    out = pretrain(config=str(path), until="filter")
+    wall = time.perf_counter() - t0
+    shard_seconds = [
+        json.loads((Path(v["artifact"]) / "lineage.json").read_text())["seconds"]
+        for k, v in out["stages"].items()
+        if k.startswith("filter[")
+    ]
+    print(f"{runner:9s}: {wall:6.1f} s to the end of filter; shards took {shard_seconds} s", flush=True)
+    return {
+        f"{runner}_wall_s": round(wall, 1),
+        f"{runner}_shard_seconds": shard_seconds,
+        f"{runner}_filter_content_hash": out["stages"]["filter"]["content_hash"],
+    }
 
 
 def training(cfg, stages: dict, args, tmp: Path) -> dict:

@@ -90,63 +90,10 @@ def main() -> None:
     figures: dict[str, float] = {"documents": len(texts), "mb": round(mb, 2), "threads": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        docs, tok_dir, out = root / "docs", root / "tok", root / "store"
-        for d in (docs, tok_dir, out):
-            d.mkdir()
-        with DocWriter(docs) as w:
-            for i, t in enumerate(texts):
-                w.write({"id": f"py/{i}", "source": "py", "domain": "d", "path": "p", "text": t})
-        tokenizer.build(TokenizerConfig(kind="gpt2"), docs, tok_dir)
-        tok = tokenizer.load(tok_dir)
-        bare = best(lambda: tok.encode_batch(texts, add_special_tokens=False))
-
-        def stage():
-            for p in out.iterdir():
-                p.unlink()
-            store.run(TokenizerConfig(kind="gpt2"), docs, tok_dir, out)
-
-        ours = best(stage)
-        figures.update(
-            {
-                "bare_encode_batch_mb_per_s": round(mb / bare, 2),
-                "tokenize_stage_mb_per_s": round(mb / ours, 2),
-                "tokenize_ratio": round(bare / ours, 3),
-            }
-        )
-
-        # Loading: the same 2,000 sequences as a mix file (how training reads them) and as a raw memmap.
-        rng = np.random.default_rng(0)
-        rows = [rng.integers(0, 50257, WIDTH) for _ in range(2000)]
-        mix.write_rows(root / "train.arrow", rows, [[] for _ in rows], 50257)
-        flat = np.concatenate(rows).astype(np.uint16)
-        flat.tofile(root / "tokens.bin")
-        tokens = len(rows) * WIDTH
-
-        def ours_load():
-            data = train.Sequences(root / "train.arrow")
-            for i in range(0, len(data), BATCH):
-                torch.from_numpy(data.rows(i, i + BATCH))
-
-        def memmap_load():
-            data = np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r").reshape(-1, WIDTH)
-            for i in range(0, len(data), BATCH):
-                torch.from_numpy(data[i : i + BATCH].astype(np.int64))
-
-        t_ours, t_mm = best(ours_load), best(memmap_load)
+        out = tokenize_figures(texts, mb, root, figures)
+        tokens, t_ours, t_mm = loader_times(root)
         figures.update(layouts(np.concatenate(list(store.read_tokens(out).values())).astype(np.uint16), root))
-    cfg = configs.load("tiny")
-    model = train.build_model(cfg.model, 8192, cfg.train.seq_len, 0)
-    batch = torch.randint(0, 8192, (cfg.train.batch_size, cfg.train.seq_len + 1))
-    opt = torch.optim.AdamW(model.parameters())
-
-    def step():
-        ce, _, _ = train.lm_loss(model, batch)
-        opt.zero_grad()
-        ce.backward()
-        opt.step()
-
-    step()
-    train_tps = cfg.train.batch_size * cfg.train.seq_len / best(step)
+    train_tps = training_tokens_per_s()
     figures.update(
         {
             "loader_tokens_per_s": round(tokens / t_ours),
@@ -164,6 +111,73 @@ def main() -> None:
         f"{figures['loader_vs_training_ratio']}x what training consumes"
     )
     print(json.dumps(figures))
+
+
+def tokenize_figures(texts: list[str], mb: float, root: Path, figures: dict) -> Path:
+    """The tokenize stage against bare `encode_batch` on the same texts; returns the stage's token store."""
+    docs, tok_dir, out = root / "docs", root / "tok", root / "store"
+    for d in (docs, tok_dir, out):
+        d.mkdir()
+    with DocWriter(docs) as w:
+        for i, t in enumerate(texts):
+            w.write({"id": f"py/{i}", "source": "py", "domain": "d", "path": "p", "text": t})
+    tokenizer.build(TokenizerConfig(kind="gpt2"), docs, tok_dir)
+    tok = tokenizer.load(tok_dir)
+    bare = best(lambda: tok.encode_batch(texts, add_special_tokens=False))
+
+    def stage():
+        for p in out.iterdir():
+            p.unlink()
+        store.run(TokenizerConfig(kind="gpt2"), docs, tok_dir, out)
+
+    ours = best(stage)
+    figures.update(
+        {
+            "bare_encode_batch_mb_per_s": round(mb / bare, 2),
+            "tokenize_stage_mb_per_s": round(mb / ours, 2),
+            "tokenize_ratio": round(bare / ours, 3),
+        }
+    )
+    return out
+
+
+def loader_times(root: Path) -> tuple[int, float, float]:
+    """Loading the same 2,000 sequences as a mix file (how training reads them) and as a raw memmap:
+    (tokens, seconds ours, seconds memmap)."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 50257, WIDTH) for _ in range(2000)]
+    mix.write_rows(root / "train.arrow", rows, [[] for _ in rows], 50257)
+    flat = np.concatenate(rows).astype(np.uint16)
+    flat.tofile(root / "tokens.bin")
+
+    def ours_load():
+        data = train.Sequences(root / "train.arrow")
+        for i in range(0, len(data), BATCH):
+            torch.from_numpy(data.rows(i, i + BATCH))
+
+    def memmap_load():
+        data = np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r").reshape(-1, WIDTH)
+        for i in range(0, len(data), BATCH):
+            torch.from_numpy(data[i : i + BATCH].astype(np.int64))
+
+    return len(rows) * WIDTH, best(ours_load), best(memmap_load)
+
+
+def training_tokens_per_s() -> float:
+    """What training consumes: tokens per second of the tiny preset's model on one batch."""
+    cfg = configs.load("tiny")
+    model = train.build_model(cfg.model, 8192, cfg.train.seq_len, 0)
+    batch = torch.randint(0, 8192, (cfg.train.batch_size, cfg.train.seq_len + 1))
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        ce, _, _ = train.lm_loss(model, batch)
+        opt.zero_grad()
+        ce.backward()
+        opt.step()
+
+    step()
+    return cfg.train.batch_size * cfg.train.seq_len / best(step)
 
 
 if __name__ == "__main__":
