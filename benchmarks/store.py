@@ -77,11 +77,12 @@ class Timed:
     def subflow(self, *args):
         return None
 
-    def __call__(self, stage: str, *, cfg=None, label=None, **inputs):
+    def __call__(self, declared, *, cfg=None, label=None, **inputs):
         from moeflow.tasks.stages import materialize
 
         if self.done:
             return None
+        stage = declared.name
         if self.mirrors is not None:  # an empty mirror: this stage runs on a node of its own
             os.environ["MOEFLOW_STORE_CACHE"] = tempfile.mkdtemp(dir=self.mirrors)
         MOVED.clear()

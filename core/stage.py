@@ -67,3 +67,8 @@ class Stage:
         return {p.name: p.parts(cfg, inputs) for p in self.phases}
 
 
+
+
+def record_shards(cfg: RunConfig, inputs: dict) -> int:
+    """A record-sharded phase's part count: `execution.shards` contiguous shards of the input."""
+    return cfg.execution.shards

@@ -1,6 +1,8 @@
 """The pretrain flow: registry packages to a trained dropless MoE and its model card.
 
-One cached task per stage.
+One cached task per stage. `dag` reads like the picture of the DAG: each stage is a value declared in its own
+package's `stages.py` (its config slice, body or phases, libraries, fetched files), one import away; `tasks/`
+runs every one of them the same way.
 """
 
 from __future__ import annotations
@@ -9,9 +11,16 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from moeflow import configs, ingest
+from moeflow.card.stages import CARD
 from moeflow.core.logs import route_loguru, route_moeflow_logs
+from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
+from moeflow.filters.stages import FILTER
+from moeflow.ingest.stages import INGEST
+from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
+from moeflow.sources.stages import SOURCES
 from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import Pipeline
+from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
 
 
 @flow(name="pretrain")
@@ -46,23 +55,23 @@ def dag(run, cfg: configs.RunConfig):
 
     `run` builds or reuses them (or, for `moeflow why`, plans).
     """
-    src = run("sources")
-    docs = run("ingest")  # reads the fetched packages and local files: its key names their versions
-    docs = run("filter", docs=docs)
-    docs = run("dedup", docs=docs)
-    index = run("benchmarks")
-    docs = run("decontaminate", docs=docs, index=index)
-    tok = run("tokenizer", docs=docs)
-    shards = run("tokenize", docs=docs, tokenizer=tok)
-    leftover = run("overlap", shards=shards, tokenizer=tok, index=index)
-    mixed = run("mix", shards=shards, tokenizer=tok)
+    src = run(SOURCES)
+    docs = run(INGEST)  # reads the fetched packages and local files: its key names their versions
+    docs = run(FILTER, docs=docs)
+    docs = run(DEDUP, docs=docs)
+    index = run(BENCHMARKS)
+    docs = run(DECONTAMINATE, docs=docs, index=index)
+    tok = run(TOKENIZER, docs=docs)
+    shards = run(TOKENIZE, docs=docs, tokenizer=tok)
+    leftover = run(OVERLAP, shards=shards, tokenizer=tok, index=index)
+    mixed = run(MIX, shards=shards, tokenizer=tok)
     # registered before train
     prediction = run.subflow(ladder, cfg, mixed, shards, tok) if cfg.ladder and mixed else None
-    model = run("train", mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
-    evals = run("evaluate", model=model, mix=mixed, tokenizer=tok, index=index)  # index: benchmark scores
+    model = run(TRAIN, mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
+    evals = run(EVALUATE, model=model, mix=mixed, tokenizer=tok, index=index)  # index: benchmark scores
     # the card reads the whole graph: its key follows train too (whose bytes change whenever it reruns),
     # not only evaluate, whose bytes stay the same when, say, only the ladder changed
-    return run("card", evaluate=evals, overlap=leftover, model=model, sources=src)
+    return run(CARD, evaluate=evals, overlap=leftover, model=model, sources=src)
 
 
 @flow(name="ladder", validate_parameters=False)
@@ -75,12 +84,12 @@ def ladder(run, cfg, mixed, shards, tok):
     for i, rung in enumerate(moe_ladder.plan(cfg, run.vocab(tok))):
         rung_cfg = cfg.model_copy(update={"model": rung["model"], "train": rung["train"]})
         rung_mix = (
-            run("rung_mix", cfg=rung_cfg, label=f"rung_mix{i}", shards=shards, tokenizer=tok)
+            run(RUNG_MIX, cfg=rung_cfg, label=f"rung_mix{i}", shards=shards, tokenizer=tok)
             if rung["own_mix"]
             else mixed
         )
-        rungs[f"rung{i}"] = run("rung", cfg=rung_cfg, label=f"rung{i}", mix=rung_mix, tokenizer=tok)
-    return run("ladder", tokenizer=tok, **rungs)
+        rungs[f"rung{i}"] = run(RUNG, cfg=rung_cfg, label=f"rung{i}", mix=rung_mix, tokenizer=tok)
+    return run(LADDER, tokenizer=tok, **rungs)
 
 
 def _flow_run_id() -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeflow.configs import RunConfig
+from moeflow.core.stage import Stage
 from moeflow.lineage import keys
 from moeflow.store.format import is_remote
 from moeflow.store.local import Manifest
@@ -72,10 +73,11 @@ class DryRun:
         return tokenizer.load(tok.manifest.dir).get_vocab_size()
 
     def __call__(
-        self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None, **inputs: Plan
+        self, declared: Stage, *, cfg: RunConfig | None = None, label: str | None = None, **inputs: Plan
     ) -> Plan | None:
         if self.done:
             return None
+        stage = declared.name
         label = label or stage
         content = {k: p.manifest.content_hash if p.manifest else None for k, p in inputs.items()}
         parts = key_parts(STAGES[stage], cfg or self.cfg, content)

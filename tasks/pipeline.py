@@ -11,6 +11,7 @@ import os
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
+from moeflow.core.stage import Stage
 from moeflow.store.local import Manifest
 from moeflow.store.url import store_for
 from moeflow.tasks.stages import STAGES, TASKS, Inputs, artifact_key
@@ -74,11 +75,12 @@ class Pipeline:
 
         return tokenizer.load(tok.dir).get_vocab_size()
 
-    def __call__(self, stage: str, *, cfg: RunConfig | None = None, label: str | None = None,
+    def __call__(self, declared: Stage, *, cfg: RunConfig | None = None, label: str | None = None,
                  **inputs: Manifest) -> Manifest | None:
-        """Run `stage` (with `cfg` instead of the run's config, e.g. a ladder rung's; recorded as `label`)."""
+        """Run the stage (with `cfg` instead of the run's config, e.g. a ladder rung's; recorded as `label`)."""
         if self.done:
             return None
+        stage = declared.name
         cfg = cfg or self.cfg
         force = stage in self.rerun
         task_ = TASKS[stage].with_options(task_run_name=label or stage)

