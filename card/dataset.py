@@ -14,7 +14,8 @@ from pathlib import Path
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from moeflow.card import RUN_RECORD, _dedup_section, _fates, _filter_section, _table, collect, single
+from moeflow.card.graph import collect, single
+from moeflow.card.sections import RUN_RECORD, dedup_section, fates, filter_section, table
 
 DATASET_CARD = "dataset_card.md"
 STAGES = ("ingest", "filter", "dedup", "decontaminate")
@@ -70,8 +71,8 @@ def render(graph: dict[str, dict]) -> str:
         "Every figure below is read from the stages' lineage records.",
         *_sources(graph),
         *_per_stage(graph),
-        *_filter_section((single(graph, "filter", required=False) or {}).get("stats", {})),
-        *(_dedup_section(single(graph, "dedup")["stats"]) if _has(graph, "dedup") else []),
+        *filter_section((single(graph, "filter", required=False) or {}).get("stats", {})),
+        *(dedup_section(single(graph, "dedup")["stats"]) if _has(graph, "dedup") else []),
         *_contamination(graph),
         "",
         "## Known limitations",
@@ -93,11 +94,11 @@ def _sources(graph: dict[str, dict]) -> list[str]:
             for n, s in sorted(sources.items())]
     head = ["source", "package", "version", "license", "domain", "files", "records", "kept by ingest",
             "quarantined", "UTF-8 bytes read"]
-    return ["", "## Sources", "", _table(head, rows)]
+    return ["", "## Sources", "", table(head, rows)]
 
 
 def _per_stage(graph: dict[str, dict]) -> list[str]:
-    rows = [[st, r["stats"]["documents_in"], r["stats"]["documents_out"], _fates(r["stats"])]
+    rows = [[st, r["stats"]["documents_in"], r["stats"]["documents_out"], fates(r["stats"])]
             for st in STAGES if _has(graph, st) for r in [single(graph, st)]]
     tok = _tokens(graph)
     tokens = (f"Tokens: {tok['stats']['tokens']:,} in the {tok['stats']['documents']:,} documents the token "
@@ -105,7 +106,7 @@ def _per_stage(graph: dict[str, dict]) -> list[str]:
               + ", ".join(f"{d} {n:,}" for d, n in tok["stats"].get("tokens_per_domain", {}).items()) + "."
               if tok else "Tokens: not counted (the corpus was exported before tokenization).")
     return ["", "## Documents per stage", "",
-            _table(["stage", "documents in", "documents out", "removed (fate:reason count)"], rows), "",
+            table(["stage", "documents in", "documents out", "removed (fate:reason count)"], rows), "",
             tokens]
 
 
@@ -122,7 +123,7 @@ def _contamination(graph: dict[str, dict]) -> list[str]:
     return ["", f"## Benchmark contamination ({bench['ngram']}-gram overlap)", "",
             f"A document sharing an indexed {bench['ngram']}-gram (lower-cased words) with a benchmark item "
             f"was {'dropped' if decon.get('action', 'drop') == 'drop' else 'cut around each match'}.", "",
-            _table(head, rows)]
+            table(head, rows)]
 
 
 def _limitations(graph: dict[str, dict]) -> list[str]:
@@ -148,7 +149,7 @@ def _run_record(graph: dict[str, dict]) -> list[str]:
     rows = [[r["stage"], name, r["artifact"]["content_hash"], r["code"]["commit"], r["finished_at"],
              r["seconds"]] for name, r in graph.items()]
     return ["", RUN_RECORD, "", "Timings and times differ between runs; everything above is reproducible.",
-            "", _table(["stage", "artifact", "content hash", "code commit", "finished at", "seconds"], rows)]
+            "", table(["stage", "artifact", "content hash", "code commit", "finished at", "seconds"], rows)]
 
 
 def export(artifact_dir: Path, out: Path) -> dict:
