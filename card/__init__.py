@@ -3,10 +3,11 @@
 `generate(start, out)` (`card/generate.py`) writes `README.md` (a Hugging Face model card with YAML
 metadata, `card/model_card.py`), the corpus's `dataset_card.md` (`card/dataset.py`), `lineage_report.md`, a
 self-contained `lineage_report.html` and the artifact graph `lineage.svg` (`card/report.py`), and the health
-plots under `plots/` (`card/plots.py`). Nothing is read but those lineage records (`card/graph.py` walks them;
-the config diff and the drill-down are in them, written when the stages ran) and, for the plots, the metrics
-of the train artifact they name: other artifacts in the store never change a byte, and
-`moeflow card ARTIFACT_DIR` rebuilds the same bytes.
+plots under `plots/` (`card/plots.py`). Each document is a Jinja2 template in `card/templates/` (headings,
+prose, the order of sections) filled by small builders that read the lineage graph and make the tables.
+Nothing is read but those lineage records (`card/graph.py` walks them; the config diff and the drill-down are
+in them, written when the stages ran) and, for the plots, the metrics of the train artifact they name: other
+artifacts in the store never change a byte, and `moeflow card ARTIFACT_DIR` rebuilds the same bytes.
 """
 
 from moeflow.card import plots

@@ -1,4 +1,4 @@
-"""Markdown sections both cards print: tables, removal counts, filter decisions, duplicate clusters."""
+"""Builders both cards share: Markdown tables, documents per stage, filter decisions, duplicate clusters."""
 
 from __future__ import annotations
 
@@ -15,9 +15,17 @@ def fates(stats: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in stats.get("fates", {}).items() if k != "kept") or "none"
 
 
-def filter_section(stats: dict) -> list[str]:
+def stages_table(records: list[dict]) -> str:
+    """Documents in and out of each data stage, and what it removed."""
+    rows = [[r["stage"], r["stats"]["documents_in"], r["stats"]["documents_out"], fates(r["stats"])]
+            for r in records]
+    return table(["stage", "documents in", "documents out", "removed (fate:reason count)"], rows)
+
+
+def filter_table(stats: dict) -> str | None:
+    """Per source: kept, rewritten, and dropped per `step.reason`; None when the filter kept no such counts."""
     if "by_source" not in stats:
-        return []
+        return None
     rows = [
         [
             src,
@@ -32,32 +40,13 @@ def filter_section(stats: dict) -> list[str]:
         ]
         for src, c in sorted(stats["by_source"].items())
     ]
-    return [
-        "",
-        "### Filter decisions per source",
-        "",
-        "Documents kept, kept after a rewrite (C4 removes lines), and dropped per filter step and reason "
-        "(`step.reason`, datatrove's reason strings for its blocks), most frequent first.",
-        "",
-        table(["source", "kept", "of which rewritten", "dropped (step.reason count)"], rows),
-    ]
+    return table(["source", "kept", "of which rewritten", "dropped (step.reason count)"], rows)
 
 
-def dedup_section(stats: dict) -> list[str]:
+def dedup_clusters(stats: dict) -> dict:
+    """Exact and MinHash cluster counts, and a table of them by size (None when no duplicate was found)."""
     exact, near = stats.get("cluster_sizes", {}), stats.get("minhash_cluster_sizes", {})
     sizes = sorted({*exact, *near}, key=int)
-    return [
-        "",
-        "### Duplicate clusters",
-        "",
-        f"{stats.get('duplicate_clusters', 0)} exact clusters and {stats.get('minhash_clusters', 0)} "
-        "MinHash clusters; each keeps its smallest document id. Clusters by size (documents in the "
-        "cluster):",
-        "",
-        table(
-            ["cluster size", "exact clusters", "MinHash clusters"],
-            [[z, exact.get(z, 0), near.get(z, 0)] for z in sizes],
-        )
-        if sizes
-        else "No duplicates found.",
-    ]
+    rows = [[z, exact.get(z, 0), near.get(z, 0)] for z in sizes]
+    return {"exact": stats.get("duplicate_clusters", 0), "minhash": stats.get("minhash_clusters", 0),
+            "table": table(["cluster size", "exact clusters", "MinHash clusters"], rows) if sizes else None}
