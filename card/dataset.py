@@ -55,6 +55,7 @@ def metadata(graph: dict[str, dict]) -> DatasetCardData:
     sources = single(graph, "ingest")["stats"]["sources"]
     licenses = sorted({s["license"].lower() for s in sources.values()})
     languages = list((single(graph, "filter", required=False) or {}).get("config", {}).get("languages") or [])
+    done = [tag for st, tag in (("dedup", "deduplicated"), ("decontaminate", "decontaminated")) if _has(graph, st)]
     return DatasetCardData(
         pretty_name=f"moeflow {single(graph, 'ingest')['run_config']} corpus",
         license=licenses[0] if len(licenses) == 1 else "other",
@@ -64,7 +65,7 @@ def metadata(graph: dict[str, dict]) -> DatasetCardData:
         source_datasets=[f"extended|{s['package'] or name}" for name, s in sorted(sources.items())],
         task_categories=["text-generation"],
         task_ids=["language-modeling"],
-        tags=["moeflow", "pretraining", "deduplicated", "decontaminated"],
+        tags=["moeflow", "pretraining", *done],
     )
 
 
@@ -86,6 +87,7 @@ def render(graph: dict[str, dict]) -> str:
         contamination=_contamination(graph),
         languages=(fil or {}).get("config", {}).get("languages"),
         domains=sorted({s["domain"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
+        licenses=sorted({s["license"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
         run_table=_run_table(graph),
     )
     return DatasetCard(text).content

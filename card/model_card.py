@@ -24,6 +24,7 @@ def render_card(graph: dict[str, dict]) -> str:
         name=_model_name(train),
         run_config=train["run_config"],
         ts=ts,
+        dropless=_dropless(train),
         model_table=_model_table(g),
         sources_table=_sources_table(g["ingest"]["stats"]["sources"]),
         stages_table=stages_table([g[st] for st in DATA_STAGES]),
@@ -47,11 +48,16 @@ def _model_name(train: dict) -> str:
     return f"moeflow-{train['run_config']}-moe"
 
 
+def _dropless(train: dict) -> bool:
+    """Whether every (token, expert) assignment was computed: no capacity factor capped the experts."""
+    return train["config"]["model"].get("capacity_factor") is None
+
+
 def _license(sources: dict) -> tuple[str, str | None]:
     licenses = sorted({s["license"] for s in sources.values()})
     hf = {"apache-2.0", "mit", "gpl-2.0", "cc-by-4.0"}
-    if len(licenses) == 1 and licenses[0].lower() in hf:
-        return licenses[0].lower(), None
+    if len(licenses) == 1:
+        return (licenses[0].lower(), None) if licenses[0].lower() in hf else ("other", licenses[0])
     return "other", "mixed: " + ", ".join(licenses)
 
 
@@ -64,7 +70,7 @@ def _metadata(g: dict[str, dict]) -> ModelCardData:
         license=license_id,
         license_name=license_name,
         library_name="pytorch",
-        tags=["moeflow", "mixture-of-experts", "dropless-moe", "text-generation"],
+        tags=["moeflow", "mixture-of-experts", *(["dropless-moe"] * _dropless(g["train"])), "text-generation"],
         datasets=sorted(sources),
         model_name=_model_name(g["train"]),
         eval_results=evaluation.results(g),
@@ -75,7 +81,7 @@ def _model_table(g: dict[str, dict]) -> str:
     ts, model_cfg = g["train"]["stats"], g["train"]["config"]["model"]
     routing = (
         "dropless (no token dropped)"
-        if model_cfg.get("capacity_factor") is None
+        if _dropless(g["train"])
         else f"capacity factor {model_cfg['capacity_factor']} (tokens over an expert's capacity "
         f"are dropped; mean drop rate {ts['token_drop_rate']})"
     )
