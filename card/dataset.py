@@ -14,9 +14,12 @@ from pathlib import Path
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from moeflow.card import RUN_RECORD, _dedup_section, _fates, _filter_section, _table, collect, single
+from moeflow.card.graph import collect, single
+from moeflow.card.render import render as render_template
+from moeflow.card.sections import dedup_clusters, filter_table, stages_table, table
 
 DATASET_CARD = "dataset_card.md"
+TEMPLATE = "dataset_card.md.j2"
 STAGES = ("ingest", "filter", "dedup", "decontaminate")
 COLUMNS = ("id", "text", "source", "domain", "license")
 SIZES = ((1e3, "n<1K"), (1e4, "1K<n<10K"), (1e5, "10K<n<100K"), (1e6, "100K<n<1M"), (1e7, "1M<n<10M"),
@@ -35,17 +38,24 @@ def _last(graph: dict[str, dict]) -> dict:
 
 
 def _tokens(graph: dict[str, dict]) -> dict | None:
+    """What the token store downstream holds, when the graph has exactly one that counted its tokens."""
     try:
         rec = single(graph, "tokenize", required=False)
     except ValueError:  # several token stores (never in one run's graph; a hand-made one)
         return None
-    return rec if rec and "tokens" in rec["stats"] else None
+    if not rec or "tokens" not in rec["stats"]:
+        return None
+    per_domain = rec["stats"].get("tokens_per_domain", {})
+    return {"total": rec["stats"]["tokens"], "documents": rec["stats"]["documents"],
+            "artifact": f"tokenize-{rec['artifact']['hash']}",
+            "per_domain": ", ".join(f"{d} {n:,}" for d, n in per_domain.items())}
 
 
 def metadata(graph: dict[str, dict]) -> DatasetCardData:
     sources = single(graph, "ingest")["stats"]["sources"]
     licenses = sorted({s["license"].lower() for s in sources.values()})
     languages = list((single(graph, "filter", required=False) or {}).get("config", {}).get("languages") or [])
+    done = [tag for st, tag in (("dedup", "deduplicated"), ("decontaminate", "decontaminated")) if _has(graph, st)]
     return DatasetCardData(
         pretty_name=f"moeflow {single(graph, 'ingest')['run_config']} corpus",
         license=licenses[0] if len(licenses) == 1 else "other",
@@ -55,63 +65,52 @@ def metadata(graph: dict[str, dict]) -> DatasetCardData:
         source_datasets=[f"extended|{s['package'] or name}" for name, s in sorted(sources.items())],
         task_categories=["text-generation"],
         task_ids=["language-modeling"],
-        tags=["moeflow", "pretraining", "deduplicated", "decontaminated"],
+        tags=["moeflow", "pretraining", *done],
     )
 
 
 def render(graph: dict[str, dict]) -> str:
     """The dataset card of the documents the graph's last data stage kept."""
     last, data = _last(graph), metadata(graph)
-    body = [
-        f"# {data.pretty_name}",
-        "",
-        f"The documents kept by the `{last['stage']}` stage of moeflow's `{last['run_config']}` config: "
-        f"{last['stats']['documents_out']:,} documents with columns {', '.join(f'`{c}`' for c in COLUMNS)}. "
-        "Every figure below is read from the stages' lineage records.",
-        *_sources(graph),
-        *_per_stage(graph),
-        *_filter_section((single(graph, "filter", required=False) or {}).get("stats", {})),
-        *(_dedup_section(single(graph, "dedup")["stats"]) if _has(graph, "dedup") else []),
-        *_contamination(graph),
-        "",
-        "## Known limitations",
-        "",
-        *_limitations(graph),
-        *_run_record(graph),
-    ]
-    return DatasetCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n").content
+    fil = single(graph, "filter", required=False)
+    text = render_template(
+        TEMPLATE,
+        card_data=data.to_yaml(),
+        pretty_name=data.pretty_name,
+        last=last,
+        columns=", ".join(f"`{c}`" for c in COLUMNS),
+        sources_table=_sources_table(graph),
+        stages_table=stages_table([single(graph, st) for st in STAGES if _has(graph, st)]),
+        tokens=_tokens(graph),
+        filter_table=filter_table((fil or {}).get("stats", {})),
+        dedup=dedup_clusters(single(graph, "dedup")["stats"]) if _has(graph, "dedup") else None,
+        contamination=_contamination(graph),
+        languages=(fil or {}).get("config", {}).get("languages"),
+        domains=sorted({s["domain"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
+        licenses=sorted({s["license"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
+        run_table=_run_table(graph),
+    )
+    return DatasetCard(text).content
 
 
 def _has(graph: dict[str, dict], stage: str) -> bool:
     return any(r["stage"] == stage for r in graph.values())
 
 
-def _sources(graph: dict[str, dict]) -> list[str]:
+def _sources_table(graph: dict[str, dict]) -> str:
     sources = single(graph, "ingest")["stats"]["sources"]
     rows = [[n, s["package"] or "(user files)", s["version"] or "-", s["license"], s["domain"], s["files"],
              s["documents"], s.get("kept", "-"), s["quarantined"], s.get("bytes", "-")]
             for n, s in sorted(sources.items())]
     head = ["source", "package", "version", "license", "domain", "files", "records", "kept by ingest",
             "quarantined", "UTF-8 bytes read"]
-    return ["", "## Sources", "", _table(head, rows)]
+    return table(head, rows)
 
 
-def _per_stage(graph: dict[str, dict]) -> list[str]:
-    rows = [[st, r["stats"]["documents_in"], r["stats"]["documents_out"], _fates(r["stats"])]
-            for st in STAGES if _has(graph, st) for r in [single(graph, st)]]
-    tok = _tokens(graph)
-    tokens = (f"Tokens: {tok['stats']['tokens']:,} in the {tok['stats']['documents']:,} documents the token "
-              f"store holds (`tokenize-{tok['artifact']['hash']}`), per domain "
-              + ", ".join(f"{d} {n:,}" for d, n in tok["stats"].get("tokens_per_domain", {}).items()) + "."
-              if tok else "Tokens: not counted (the corpus was exported before tokenization).")
-    return ["", "## Documents per stage", "",
-            _table(["stage", "documents in", "documents out", "removed (fate:reason count)"], rows), "",
-            tokens]
-
-
-def _contamination(graph: dict[str, dict]) -> list[str]:
+def _contamination(graph: dict[str, dict]) -> dict | None:
+    """The n-gram, the action taken and a table per benchmark; None when exported before decontaminate."""
     if not _has(graph, "decontaminate"):
-        return ["", "## Benchmark contamination", "", "Not checked: exported before `decontaminate`."]
+        return None
     bench, decon = single(graph, "benchmarks")["stats"], single(graph, "decontaminate")["stats"]
     per = decon.get("per_benchmark", {})
     rows = [[b, s["split"], s["items"], s["items_too_short"], per.get(b, {}).get("documents_dropped", 0),
@@ -119,36 +118,14 @@ def _contamination(graph: dict[str, dict]) -> list[str]:
             for b, s in sorted(bench["benchmarks"].items())]
     head = ["benchmark", "split", "items", "items too short to index", "documents dropped", "documents cut",
             "characters removed"]
-    return ["", f"## Benchmark contamination ({bench['ngram']}-gram overlap)", "",
-            f"A document sharing an indexed {bench['ngram']}-gram (lower-cased words) with a benchmark item "
-            f"was {'dropped' if decon.get('action', 'drop') == 'drop' else 'cut around each match'}.", "",
-            _table(head, rows)]
+    return {"ngram": bench["ngram"], "dropped": decon.get("action", "drop") == "drop",
+            "benchmarks": len(bench["benchmarks"]), "table": table(head, rows)}
 
 
-def _limitations(graph: dict[str, dict]) -> list[str]:
-    fil = single(graph, "filter", required=False)
-    langs = (fil or {}).get("config", {}).get("languages")
-    sources = single(graph, "ingest")["stats"]["sources"]
-    out = [f"- Languages: {', '.join(langs)} only (fastText lid.176)." if langs else
-           "- Languages: not identified (`filter.languages` unset: no language was filtered); the card "
-           "cannot say which are present.",
-           "- Domains: " + ", ".join(sorted({s["domain"] for s in sources.values()})) + " only.",
-           "- Licences differ per source (above): each document's `license` column says which applies."]
-    if _has(graph, "decontaminate"):
-        n = len(single(graph, "benchmarks")["stats"]["benchmarks"])
-        out.append(f"- Contamination was checked against {n} benchmarks only; items shorter than the n-gram "
-                   "could not be indexed.")
-    if _has(graph, "dedup"):
-        out.append("- Near-duplicates are those MinHash finds above the configured Jaccard threshold; "
-                   "paraphrases below it stay.")
-    return out
-
-
-def _run_record(graph: dict[str, dict]) -> list[str]:
+def _run_table(graph: dict[str, dict]) -> str:
     rows = [[r["stage"], name, r["artifact"]["content_hash"], r["code"]["commit"], r["finished_at"],
              r["seconds"]] for name, r in graph.items()]
-    return ["", RUN_RECORD, "", "Timings and times differ between runs; everything above is reproducible.",
-            "", _table(["stage", "artifact", "content hash", "code commit", "finished at", "seconds"], rows)]
+    return table(["stage", "artifact", "content hash", "code commit", "finished at", "seconds"], rows)
 
 
 def export(artifact_dir: Path, out: Path) -> dict:

@@ -49,7 +49,14 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     rs = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
     step = np.array([r["step"] for r in rs])
+    _loss(rs, step, train_cfg, out / "loss.png")
+    _grad_norm(rs, step, train_cfg, out / "grad_norm.png")
+    _balance(rs, step, out / "balance.png")
+    _expert_load(rs, step, out / "expert_load.png")
+    return list(PLOTS)
 
+
+def _loss(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(step, [r["ce"] for r in rs], lw=0.9, label="cross-entropy")
     if "ladder_band" in rs[-1]:
@@ -62,8 +69,10 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     lr.plot(step, [r["lr"] for r in rs], color="tab:green", lw=0.7)
     lr.set_ylabel("learning rate", color="tab:green")
     ax.legend(loc="upper right", fontsize=8)
-    _save(fig, out / "loss.png")
+    _save(fig, path)
 
+
+def _grad_norm(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(step, [r["grad_norm"] for r in rs], lw=0.9, color="black", label="total")
     for group in sorted(rs[-1].get("grad_norm_groups", {})):
@@ -73,8 +82,10 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("grad norm (before clipping)")
     ax.legend(fontsize=7, ncol=2)
-    _save(fig, out / "grad_norm.png")
+    _save(fig, path)
 
+
+def _balance(rs: list[dict], step: np.ndarray, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     imbalance = np.array([r["load_imbalance"] for r in rs], dtype=float)
     for layer in range(imbalance.shape[1]):
@@ -85,8 +96,10 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     drop.plot(step, [r["token_drop_rate"] for r in rs], color="tab:red", lw=0.8)
     drop.set_ylabel("token drop rate", color="tab:red")
     ax.legend(fontsize=8)
-    _save(fig, out / "balance.png")
+    _save(fig, path)
 
+
+def _expert_load(rs: list[dict], step: np.ndarray, path: Path) -> None:
     load = np.array([r["tokens_per_expert"] for r in rs], dtype=float)  # (steps, layers, experts)
     share = load / load.sum(axis=2, keepdims=True)
     fig, axes = plt.subplots(1, share.shape[1], figsize=(3.5 * share.shape[1], 3.2), squeeze=False)
@@ -104,9 +117,8 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
         ax.set_xlabel("step")
         ax.set_ylabel("expert")
     fig.colorbar(im, ax=axes[0].tolist(), label="share of tokens")
-    fig.savefig(out / "expert_load.png", dpi=90, metadata={"Software": None}, bbox_inches="tight")
+    fig.savefig(path, dpi=90, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)
-    return list(PLOTS)
 
 
 WATERFALL = "filter_waterfall.png"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeflow import card
+from moeflow.card.dataset import DATASET_CARD
+from moeflow.card.generate import generate
+from moeflow.card.graph import collect
+from moeflow.card.model_card import CARD
 
 
 def stage(s: dict, inputs: dict, out: Path) -> dict:
     """Walk the lineage back from every input (evaluate, overlap, model, sources) and write the card there."""
     roots = [m.dir for _, m in sorted(inputs.items())]
-    stats = card.generate(roots, out)
+    stats = generate(roots, out)
     _publish(out, roots)
     return stats
 
@@ -23,9 +26,9 @@ def _publish(out: Path, roots: list[Path]) -> None:
     if FlowRunContext.get() is None:
         return
     create_markdown_artifact(
-        key="model-card", markdown=(out / card.CARD).read_text(), description="moeflow model card"
+        key="model-card", markdown=(out / CARD).read_text(), description="moeflow model card"
     )
-    create_markdown_artifact(key="dataset-card", markdown=(out / "dataset_card.md").read_text(),
+    create_markdown_artifact(key="dataset-card", markdown=(out / DATASET_CARD).read_text(),
                              description="moeflow dataset card of the curated corpus")
     rows = [
         {
@@ -35,6 +38,6 @@ def _publish(out: Path, roots: list[Path]) -> None:
             "documents_in": rec["stats"].get("documents_in", ""),
             "documents_out": rec["stats"].get("documents_out", ""),
         }
-        for rec in card.collect(roots).values()
+        for rec in collect(roots).values()
     ]
     create_table_artifact(key="stage-stats", table=rows, description="moeflow stages of this run")

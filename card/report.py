@@ -1,0 +1,173 @@
+"""The lineage report: each artifact's record as Markdown, the artifact graph as SVG, both as one HTML page."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeflow.card.graph import artifact_name, last_run, single, upstream
+from moeflow.card.plots import PLOTS, WATERFALL, waterfall
+from moeflow.card.render import render
+from moeflow.card.sections import table
+
+REPORT, HTML, DAG = "lineage_report.md", "lineage_report.html", "lineage.svg"
+TEMPLATE, PAGE, SVG = "lineage_report.md.j2", "lineage_report.html.j2", "lineage.svg.j2"
+DRILL_DOWN = "_drill_down.md.j2"  # the report's last section, also rendered alone by `drill_down`
+
+
+def _flat(obj, prefix: str = "") -> dict[str, object]:
+    if isinstance(obj, (dict, list)):
+        out: dict[str, object] = {}
+        for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def config_diff(rec: dict) -> tuple[str | None, list[str]]:
+    """(previous artifact, changed config fields) against `rec["previous"]`: the latest other artifact
+    of the same stage that had finished when this one started, recorded then (later runs change nothing)."""
+    prev = rec.get("previous")
+    if not prev:
+        return None, []
+    a, b = _flat(prev["config"]), _flat(rec["config"])
+    changes = [
+        f"`{k}`: {_short(a.get(k))} → {_short(b.get(k))}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+    if len(changes) > 8:
+        changes = changes[:8] + [f"and {len(changes) - 8} more"]
+    return prev["artifact"], changes
+
+
+def _drill(graph: dict[str, dict], per_shard: int) -> dict | None:
+    """The tokenize record's shards, each with its first `per_shard` rows (None when it kept no per-shard
+    detail); None without a token store."""
+    tok = single(graph, "tokenize", required=False)
+    if tok is None:
+        return None
+    if "by_shard" not in tok["stats"]:
+        return {"artifact": artifact_name(tok["artifact"]), "shards": None}
+    shards = [
+        {"file": f"shard-{s['shard']:05d}.arrow", "documents": s["documents"], "tokens": s["tokens"],
+         "sources": ", ".join(f"{k} {v}" for k, v in sorted(s["sources"].items())),
+         "rows": s["first_rows"][:per_shard]}
+        for s in tok["stats"]["by_shard"]
+    ]
+    return {"artifact": artifact_name(tok["artifact"]), "shards": shards}
+
+
+def drill_down(graph: dict[str, dict], per_shard: int = 3) -> list[str]:
+    """Token shards -> their first documents -> the raw files they came from, as the tokenize record says;
+    the report's last section, as lines."""
+    drill = _drill(graph, per_shard)
+    return render(DRILL_DOWN, drill=drill).split("\n") if drill else []
+
+
+def _artifact(name: str, r: dict, built: set[str]) -> dict:
+    """One artifact's section of the report: where it came from, how it ran, its config and stats."""
+    prev, changes = config_diff(r)
+    return {
+        "name": name,
+        "stage": r["stage"],
+        "rebuilt": name in built,
+        "built_by": r["prefect"].get("flow_run_id"),
+        "content_hash": r["artifact"]["content_hash"],
+        "source_hash": r["code"]["source_hash"],
+        "inputs": ", ".join(f"{k} = `{v['path']}`" for k, v in r["inputs"].items()) or "none",
+        "commit": r["code"]["commit"],
+        "dirty": r["code"].get("dirty"),
+        "prefect": ", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect",
+        "started_at": r["started_at"],
+        "finished_at": r["finished_at"],
+        "seconds": r["seconds"],
+        "host": r["host"]["hostname"],
+        "previous": prev,
+        "changes": "; ".join(changes),
+        "config": json.dumps(r["config"], indent=2, sort_keys=True),
+        "stats": json.dumps(r["stats"], indent=2, sort_keys=True),
+        "waterfall": _waterfall_table(r) if r["stage"] == "filter" else None,
+    }
+
+
+def _waterfall_table(rec: dict) -> str | None:
+    """The filter's documents left per source after each step (the chart is `plots/filter_waterfall.png`)."""
+    rows = waterfall(rec["stats"], list(rec["config"].get("steps", [])))
+    if not rows:
+        return None
+    steps = [s for s, _, _ in next(iter(rows.values()))]
+    cells = [[src, *(f"{left} (-{rm})" if rm else str(left) for _, rm, left in series)]
+             for src, series in rows.items()]
+    return table(["source", *steps], cells)
+
+
+def render_report(graph: dict[str, dict]) -> str:
+    """Every artifact's config, inputs, code, run and stats, upstream first, then the drill-down."""
+    run, built = last_run(graph)
+    return render(
+        TEMPLATE,
+        dag=DAG,
+        waterfall_png=WATERFALL,
+        run=run,
+        rebuilt=len(built),
+        reused=len(graph) - len(built),
+        names=list(graph),
+        artifacts=[_artifact(name, r, built) for name, r in graph.items()],
+        drill=_drill(graph, 3),
+    )
+
+
+SVG_STYLE = {True: 'fill="#e3f4e6" stroke="#2e7d32"',  # rebuilt by the last run
+             False: 'fill="#f2f2f2" stroke="#8a8a8a" stroke-dasharray="4 3"'}  # reused
+
+
+def dag_svg(graph: dict[str, dict]) -> str:
+    """The artifact graph as a standalone SVG: a box per artifact (stage, hash, and whether the last run
+    built or reused it), a column per depth (longest path from a source), an arrow per artifact read."""
+    run, built = last_run(graph)
+    ups = {n: upstream(graph, r) for n, r in graph.items()}
+    depth: dict[str, int] = {}
+    for n in graph:  # `graph` is in topological order
+        depth[n] = 1 + max((depth[u] for u in ups[n]), default=-1)
+    columns: dict[int, list[str]] = {}
+    for n in graph:
+        columns.setdefault(depth[n], []).append(n)
+    w, h, dx, dy, pad = 130, 46, 170, 62, 10
+    pos = {n: (pad + d * dx, pad + i * dy) for d, names in columns.items() for i, n in enumerate(names)}
+    height = pad * 2 + max(len(v) for v in columns.values()) * dy - (dy - h) + 30
+    edges = [{"x0": pos[u][0] + w, "y0": pos[u][1] + h / 2, "x1": pos[n][0], "y1": pos[n][1] + h / 2}
+             for n in graph for u in ups[n]]
+    boxes = [{"x": x, "y": y, "stage": graph[n]["stage"], "hash": graph[n]["artifact"]["hash"][:12],
+              "rebuilt": n in built or not run, "label": ("rebuilt" if n in built else "reused") if run else ""}
+             for n, (x, y) in pos.items()]
+    return render(SVG, width=pad * 2 + max(columns) * dx + w, height=height, w=w, h=h, pad=pad, edges=edges,
+                  boxes=boxes, style=SVG_STYLE,
+                  legend=f"last run: flow run {run}" if run else "no Prefect flow run recorded")
+
+
+def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
+    """One self-contained HTML page (card, then report); plots inlined as data URIs, nothing fetched."""
+    import base64
+
+    import markdown
+
+    body = card_md.split("---", 2)[2] if card_md.startswith("---") else card_md
+    for name in PLOTS:
+        data = base64.b64encode((plots_dir / name).read_bytes()).decode()
+        body = body.replace(f"(plots/{name})", f"(data:image/png;base64,{data})")
+    if (plots_dir / WATERFALL).exists():
+        data = base64.b64encode((plots_dir / WATERFALL).read_bytes()).decode()
+        report_md = report_md.replace(f"(plots/{WATERFALL})", f"(data:image/png;base64,{data})")
+    dag = plots_dir.parent / DAG
+    if dag.exists():
+        report_md = report_md.replace(
+            f"({DAG})", f"(data:image/svg+xml;base64,{base64.b64encode(dag.read_bytes()).decode()})"
+        )
+    body = markdown.markdown(body + "\n\n" + report_md, extensions=["tables", "fenced_code"])
+    return render(PAGE, body=body)

@@ -1,0 +1,98 @@
+"""The model card's training figures beyond the plan: hardware, health, the scaling ladder, per-rank load."""
+
+from __future__ import annotations
+
+from moeflow.card.sections import table
+
+
+def hardware(train: dict) -> str:
+    """The device training computed on (recorded by the run), then the host it ran on."""
+    host = f"{train['host']['platform']}, {train['host']['cpus']} CPUs"
+    dev = train["stats"].get("device")
+    if dev is None:  # recorded before runs named their device
+        return host + (f", {train['host']['cuda']}" if train["host"].get("cuda") else "")
+    what = f"{dev['count']} x {dev['name']}" if dev["type"] == "cuda" else f"CPU ({dev['name'] or 'unknown'})"
+    return f"trained on {what}; host {host}"
+
+
+def _alarms(alarms: list[dict], show: int = 5) -> str:
+    if not alarms:
+        return "none"
+    kinds: dict[str, int] = {}
+    for a in alarms:
+        kinds[a["alarm"].split(":")[0]] = kinds.get(a["alarm"].split(":")[0], 0) + 1
+    first = "; ".join(f"step {a['step']}: {a['alarm']}" for a in alarms[:show])
+    return (
+        ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+        + f". First: {first}"
+        + ("; ..." if len(alarms) > show else "")
+    )
+
+
+def health_table(ts: dict) -> str:
+    """What the plots show as numbers: token drops, the peak grad norm, the final imbalance, alarms."""
+    return table(
+        ["field", "value"],
+        [
+            ["token drop rate (mean over steps)", ts["token_drop_rate"]],
+            ["peak grad norm", ts.get("peak_grad_norm", "-")],
+            [
+                "final load imbalance per MoE layer (max/mean)",
+                ", ".join(map(str, ts.get("final_load_imbalance", []))),
+            ],
+            ["alarms", _alarms(ts.get("alarms", []))],
+        ],
+    )
+
+
+def ladder(lad: dict, ts: dict) -> dict:
+    """The ladder's pre-registered fit and prediction against the loss the run reached."""
+    p = lad["stats"]
+    actual = ts["tail_loss"]
+    err = (actual - p["predicted_final_loss"]) / actual
+    inside = p["band"][0] <= actual <= p["band"][1]
+    fit = p["fit"]
+    rungs = [
+        [i, r["d_model"], r["n_layers"], f"{r['params_active']:,}", r["steps"], f"{r['flops']:.3g}", r["final_loss"]]
+        for i, r in enumerate(p["rungs"])
+    ]
+    prediction = [
+        ["predicted", f"{p['predicted_final_loss']} (band {p['band'][0]} to {p['band'][1]})"],
+        ["actual", f"{actual} ({'inside' if inside else 'outside'} the band)"],
+        ["training steps whose smoothed loss left the ladder's band", ts.get("steps_outside_ladder_band", "-")],
+        ["relative error (actual - predicted) / actual", f"{err:+.2%}"],
+    ]
+    return {
+        "rungs": len(p["rungs"]),
+        "fraction": f"{p['ladder_fraction']:.1%}",
+        **{k: f"{fit[k]:.4g}" for k in ("E", "A", "alpha", "residual_rms")},
+        "bootstrap_fits": fit["bootstrap_fits"],
+        "artifact": f"ladder-{lad['artifact']['hash']}",
+        "rungs_table": table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss"],
+                             rungs),
+        "prediction_table": table(["", "final loss (mean of the last tenth of steps)"], prediction),
+    }
+
+
+def ranks(d: dict, model: dict) -> dict:
+    """A torchrun run's ranks; with expert parallelism, the experts each held and the assignments it
+    processed."""
+    out = {"world_size": d["world_size"], "nnodes": d["nnodes"], "expert_parallel": d["expert_parallel"]}
+    if not d["expert_parallel"]:
+        return out
+    per = model["num_experts"] // d["world_size"]
+    total = sum(sum(map(sum, r["expert_tokens"])) for r in d["ranks"]) or 1
+    rows = [
+        [
+            r["rank"],
+            f"{r['rank'] * per}-{(r['rank'] + 1) * per - 1}",
+            "; ".join(
+                f"layer {i}: " + ", ".join(f"e{r['rank'] * per + e} {n:,}" for e, n in enumerate(layer))
+                for i, layer in enumerate(r["expert_tokens"])
+            ),
+            f"{sum(map(sum, r['expert_tokens'])) / total:.1%}",
+        ]
+        for r in d["ranks"]
+    ]
+    return {**out, "experts": model["num_experts"], "per_rank": per,
+            "table": table(["rank", "experts", "assignments processed per MoE layer and expert", "share"], rows)}
