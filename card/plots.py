@@ -9,19 +9,29 @@ so equal metrics give equal bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 PLOTS = ("loss.png", "grad_norm.png", "balance.png", "expert_load.png")
 
 
+@functools.cache
+def _pyplot():
+    # matplotlib is imported when a plot is drawn: every data worker imports this package for the card stage's
+    # declaration (card/stages.py), and matplotlib costs it ~40 MB and a second of start-up for nothing
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig, path: Path) -> None:
+    plt = _pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=90, metadata={"Software": None})
     plt.close(fig)
@@ -57,6 +67,7 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
 
 
 def _loss(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(step, [r["ce"] for r in rs], lw=0.9, label="cross-entropy")
     if "ladder_band" in rs[-1]:
@@ -73,6 +84,7 @@ def _loss(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None
 
 
 def _grad_norm(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(step, [r["grad_norm"] for r in rs], lw=0.9, color="black", label="total")
     for group in sorted(rs[-1].get("grad_norm_groups", {})):
@@ -86,6 +98,7 @@ def _grad_norm(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) ->
 
 
 def _balance(rs: list[dict], step: np.ndarray, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     imbalance = np.array([r["load_imbalance"] for r in rs], dtype=float)
     for layer in range(imbalance.shape[1]):
@@ -100,6 +113,7 @@ def _balance(rs: list[dict], step: np.ndarray, path: Path) -> None:
 
 
 def _expert_load(rs: list[dict], step: np.ndarray, path: Path) -> None:
+    plt = _pyplot()
     load = np.array([r["tokens_per_expert"] for r in rs], dtype=float)  # (steps, layers, experts)
     share = load / load.sum(axis=2, keepdims=True)
     fig, axes = plt.subplots(1, share.shape[1], figsize=(3.5 * share.shape[1], 3.2), squeeze=False)
@@ -143,6 +157,7 @@ def waterfall(stats: dict, steps: list[str]) -> dict[str, list[tuple[str, int, i
 
 def filter_waterfall(rows: dict[str, list[tuple[str, int, int]]], path: Path) -> None:
     """Documents left per source after each filter step, as grouped bars, the removed count on each."""
+    plt = _pyplot()
     steps = [s for s, _, _ in next(iter(rows.values()))] if rows else ["read"]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(steps)), 3.6))
     width = 0.8 / max(1, len(rows))
