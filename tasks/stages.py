@@ -31,6 +31,7 @@ from moeflow import filters, ingest
 from moeflow.configs import RunConfig, TrainStageConfig
 from moeflow.core.ledger import ConservationError
 from moeflow.dedup import contamination, corpus
+from moeflow.ingest import sources_stage
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.sources import stage as sources
 from moeflow.store.local import Manifest, Store
@@ -155,13 +156,13 @@ def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("sources", sources.config, sources.run, fetched=sources.fetched),
+        Stage("sources", sources_stage.config, sources_stage.run, fetched=sources_stage.fetched),
         Stage(
             "ingest",
             lambda c: c.sources,
             None,
             ("pyarrow", "zstandard", "datasets"),  # datasets: hf_dataset and hf_files sources
-            fetched=lambda s: sources.identities([x.package for x in s if x.package], s),
+            fetched=lambda s: sources_stage.identities([x.package for x in s if x.package], s),
             phases=(Phase("shard", ingest.shard, _shards),),
             merge=ingest.merge,
         ),
