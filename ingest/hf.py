@@ -63,7 +63,7 @@ def fingerprint(files: list[Path]) -> str | None:
 def rows(src: SourceConfig, path: Path) -> Iterator[tuple[int, object]]:
     """(row number from 1, row) of one file: an Arrow file of a saved dataset, memory-mapped, or a local
     file loaded by `src.builder` with `streaming=True`; only the id and text fields are kept."""
-    import datasets
+    import datasets  # here, not at the top: about a second to import, and only hf_* sources need it
 
     datasets.disable_progress_bars()
     fields = [f for f in (src.text_field, src.id_field) if f]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import zstandard
 
@@ -25,27 +26,36 @@ def chunks(path: Path) -> Iterator[bytes]:
     decoded in the call that fails)."""
     with open(path, "rb", buffering=0) as f:
         if path.suffix == ".gz":
-            with gzip.open(f) as g:
-                while chunk := g.read1(CHUNK):
-                    yield chunk
+            yield from _gunzip(f)
         elif path.suffix == ".zst":
-            d, open_frame = zstandard.ZstdDecompressor().decompressobj(), False
-            while raw := f.read(CHUNK):
-                while raw:
-                    out = d.decompress(raw)
-                    open_frame = True
-                    if out:
-                        yield out
-                    if d.eof:  # a frame ended: the rest starts the next one
-                        raw, open_frame = d.unused_data, False
-                        d = zstandard.ZstdDecompressor().decompressobj()
-                    else:
-                        raw = b""
-            if open_frame:
-                raise EOFError("truncated zstd file: its last frame is incomplete")
+            yield from _unzstd(f)
         else:
             while chunk := f.read(CHUNK):
                 yield chunk
+
+
+def _gunzip(f: BinaryIO) -> Iterator[bytes]:
+    with gzip.open(f) as g:
+        while chunk := g.read1(CHUNK):
+            yield chunk
+
+
+def _unzstd(f: BinaryIO) -> Iterator[bytes]:
+    """Every frame of a zstd file in turn (a file may hold several, e.g. files concatenated)."""
+    d, open_frame = zstandard.ZstdDecompressor().decompressobj(), False
+    while raw := f.read(CHUNK):
+        while raw:
+            out = d.decompress(raw)
+            open_frame = True
+            if out:
+                yield out
+            if d.eof:  # a frame ended: the rest starts the next one
+                raw, open_frame = d.unused_data, False
+                d = zstandard.ZstdDecompressor().decompressobj()
+            else:
+                raw = b""
+    if open_frame:
+        raise EOFError("truncated zstd file: its last frame is incomplete")
 
 
 class LineCut(Exception):

@@ -15,7 +15,7 @@ from moeflow.configs import Format, RunConfig, SourceConfig
 from moeflow.ingest import hf
 from moeflow.ingest.errors import SourceError
 from moeflow.ingest.names import relative_name
-from moeflow.sources import fetch
+from moeflow.sources import fetch, registry
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,10 @@ def _listing(pattern: str, root: Path, exclude: tuple[str, ...]) -> tuple[list[P
 
 def preflight(cfg: RunConfig) -> None:
     """Before any work: user sources must match files, package sources must name known packages."""
-    from moeflow.sources.registry import get
-
     for src in cfg.sources:
         if src.package:
             try:
-                get(src.package)
+                registry.get(src.package)
             except KeyError as e:
                 raise SourceError(f"source {src.name!r}: {e.args[0]}") from None
         else:

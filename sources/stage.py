@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moeflow.configs import RunConfig
 from moeflow.sources import fetch, registry
+from moeflow.store.format import file_xxh3
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ def _package(name: str) -> dict:
 
 def file_identity(path: str) -> dict:
     """A single file the user names (their tokenizer.json): path, size and the xxh3 of its bytes."""
-    from moeflow.store.format import file_xxh3
-
     p = Path(path).expanduser().resolve()
     return {"path": str(p), "bytes": p.stat().st_size, "xxh3": file_xxh3(p)}
 
