@@ -15,9 +15,8 @@ from moeflow.card.stages import CARD
 from moeflow.core.logs import route_loguru, route_moeflow_logs
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
 from moeflow.filters.stages import FILTER
-from moeflow.ingest.stages import INGEST
+from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
-from moeflow.sources.stages import SOURCES
 from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import Pipeline
 from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER

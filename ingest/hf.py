@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moeflow.configs import Format, SourceConfig
+from moeflow.ingest.errors import ReadError, SourceError
 
 # never the Hub: set before `datasets` is first imported (it reads them once)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -17,11 +18,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # `user/name` or `name`, as the Hub spells them
 BATCH = 1024
-
-
-class ReadError(Exception):
-    """`datasets` failed part-way through a file (a parse error, a broken Arrow file): the records read
-    before it stand, the rest of the file is quarantined `unreadable_file` with this message."""
 
 
 def hub_hint(src: SourceConfig) -> str:
@@ -36,8 +32,6 @@ def hub_hint(src: SourceConfig) -> str:
 def saved_files(src: SourceConfig, path: Path) -> tuple[Path, list[Path]]:
     """A saved dataset's folder and the Arrow files of its split (a `DatasetDict` needs `split:`), in
     order; a clear error for anything that is not a `save_to_disk` folder."""
-    from moeflow.ingest import SourceError
-
     where = f"source {src.name!r}: {str(path)!r}"
     if not path.is_dir():
         raise SourceError(f"{where} is not a folder" + hub_hint(src))
@@ -69,7 +63,7 @@ def fingerprint(files: list[Path]) -> str | None:
 def rows(src: SourceConfig, path: Path) -> Iterator[tuple[int, object]]:
     """(row number from 1, row) of one file: an Arrow file of a saved dataset, memory-mapped, or a local
     file loaded by `src.builder` with `streaming=True`; only the id and text fields are kept."""
-    import datasets
+    import datasets  # here, not at the top: about a second to import, and only hf_* sources need it
 
     datasets.disable_progress_bars()
     fields = [f for f in (src.text_field, src.id_field) if f]

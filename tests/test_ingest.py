@@ -12,6 +12,8 @@ from moeflow import ingest
 from moeflow.configs import SourceConfig
 from moeflow.core.documents import iter_docs
 from moeflow.core.ledger import read as read_ledger
+from moeflow.ingest import lines as ingest_lines
+from moeflow.ingest import plan as ingest_plan
 
 GOOD = "a perfectly ordinary document " * 3
 
@@ -207,7 +209,7 @@ def test_truncated_gzip_past_the_first_megabyte_loses_no_decoded_line(tmp_path):
     cut = gzip.compress(data, mtime=0)
     cut = cut[: len(cut) * 3 // 4]
     decoded = zlib.decompressobj(31).decompress(cut)  # all that can be decoded
-    assert data.startswith(decoded) and len(decoded) % ingest.CHUNK > 100_000
+    assert data.startswith(decoded) and len(decoded) % ingest_lines.CHUNK > 100_000
     whole = decoded.count(b"\n")
     rows, details = _ledger(tmp_path, {"big.jsonl.gz": cut})
     b = "user/big.jsonl.gz"
@@ -261,7 +263,7 @@ def test_plain_file_read_error_mid_file(tmp_path, monkeypatch):
         yield HEAD
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(ingest, "_chunks", failing_chunks)
+    monkeypatch.setattr(ingest_lines, "chunks", failing_chunks)
     rows, details = _ledger(tmp_path, {"t.jsonl": b"".join(LINES)})
     assert rows == _cut_tail("t.jsonl")
     assert "after 7 bytes: OSError: [Errno 5] Input/output error" in details["user/t.jsonl#L3"]
@@ -343,7 +345,7 @@ def test_sharded_ingest_is_byte_identical_to_one_process(tmp_path, shards, monke
     outs = {}
     for n in (1, shards):
         if n == shards:
-            monkeypatch.setattr(ingest, "SPAN_BYTES", 37)
+            monkeypatch.setattr(ingest_plan, "SPAN_BYTES", 37)
             assert sum(u.span is not None for u in ingest.units(resolved)) > 40
         outs[n] = tmp_path / f"out{n}"
         outs[n].mkdir(exist_ok=True)

@@ -24,6 +24,7 @@ from moeflow import ingest
 from moeflow.configs import SourceConfig
 from moeflow.core.documents import iter_docs
 from moeflow.core.ledger import read as read_ledger
+from moeflow.ingest import lines as ingest_lines
 
 EXAMPLES = int(os.environ.get("MOEFLOW_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("MOEFLOW_FUZZ_RANDOM"),
@@ -349,7 +350,7 @@ def test_fuzzed_files_changing_while_read(tmp_path_factory, monkeypatch, texts, 
     path = folder / "in" / "a.jsonl"
     path.write_bytes(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts))
     later = [*texts[: len(texts) // 2], "appended text"]
-    chunks = ingest._chunks
+    chunks = ingest_lines.chunks
 
     def meddling(p):
         for i, chunk in enumerate(chunks(p)):
@@ -357,8 +358,8 @@ def test_fuzzed_files_changing_while_read(tmp_path_factory, monkeypatch, texts, 
             if i == 0:
                 _change(p, how, later)
 
-    monkeypatch.setattr(ingest, "CHUNK", 16)
-    monkeypatch.setattr(ingest, "_chunks", meddling)
+    monkeypatch.setattr(ingest_lines, "CHUNK", 16)
+    monkeypatch.setattr(ingest_lines, "chunks", meddling)
     src = SourceConfig(name="f", path=str(folder / "in" / "*"), format="jsonl", domain="x", license="cc0",
                        max_doc_bytes=MAX_DOC)
     out = folder / "out"

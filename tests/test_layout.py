@@ -112,7 +112,6 @@ def test_no_module_imports_itself_through_others(tmp_path):
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    sys.setrecursionlimit(10_000)
     for m in modules:
         if m not in index:
             visit(m)
@@ -121,7 +120,6 @@ def test_no_module_imports_itself_through_others(tmp_path):
 
 # Cycles left to break, each with its fix under way; the list may only shrink.
 KNOWN_CYCLES = [
-    ["moeflow.ingest", "moeflow.ingest.hf"],  # ingest's readers become one module per format
     ["moeflow.moe.layer", "moeflow.moe.megablocks_backend"],  # the backends' shared base moves out of layer
 ]
 

@@ -1,0 +1,108 @@
+"""JSONL sources (plain, .gz, .zst): a record per line, numbered from 1; a plain file can be read from any
+byte span, its line numbers counted from the file's start."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from moeflow.configs import SourceConfig
+from moeflow.ingest import lines
+from moeflow.ingest.lines import LineCut, Overlong
+from moeflow.ingest.records import Quarantine
+
+
+def rows(src: SourceConfig, path: Path, span: tuple[int, int] | None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object or Quarantine) for the lines of a file, or for those that start in
+    the byte span `[lo, hi)` of a plain file."""
+    if span:
+        begin, before = _span_start(path, span[0])
+        stream = lines.split(_span_chunks(path, begin, span[1]), _line_limit(src))
+        yield from parsed(stream, first=before + 1)
+    else:
+        yield from parsed(lines.split(lines.chunks(path), _line_limit(src)))
+
+
+def _line_limit(src: SourceConfig) -> int:
+    """The longest JSONL line parsed: one whose text field could be `max_doc_bytes` (JSON escapes take up
+    to 6 bytes a byte of text), plus 1 MiB for the other fields."""
+    return 6 * src.max_doc_bytes + (1 << 20)
+
+
+def parsed(stream: Iterator[bytes | Overlong], first: int = 1) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object or Quarantine) per non-blank line, the first numbered `first`; a line
+    cut by a read error is quarantined as truncated, then the `LineCut` goes on, carrying the number of
+    the last line read."""
+    line_no = first - 1
+    try:
+        for line_no, line in enumerate(stream, start=first):
+            if isinstance(line, Overlong) or line.strip():
+                yield line_no, _json_row(line_no, line)
+    except LineCut as cut:
+        if not cut.partial.strip():  # the error fell between lines (or after blanks): nothing was cut
+            cut.line = line_no
+            raise
+        cut.line = line_no + 1  # a record was begun: it counts, under the line number it would have had
+        yield (
+            cut.line,
+            Quarantine(
+                "unreadable_file",
+                (f"line {cut.line} truncated by the read error after {cut.size:,} bytes: {cut}"),
+            ),
+        )
+        raise
+
+
+def _json_row(line_no: int, line: bytes | Overlong) -> object:
+    """A line parsed, or the Quarantine that says why it cannot be (a UTF-8 byte-order mark opening the
+    file is dropped)."""
+    if isinstance(line, Overlong):
+        return Quarantine("too_large", f"line {line_no}: {line.size:,} bytes, over the line limit (6 x "
+                                       "max_doc_bytes + 1 MiB: its text could not fit); not parsed")
+    try:
+        text = line.decode("utf-8")
+        return json.loads(text.removeprefix("\ufeff") if line_no == 1 else text)
+    except UnicodeDecodeError as e:
+        return Quarantine("invalid_utf8", f"line {line_no}, byte {e.start}: {e.reason}")
+    except json.JSONDecodeError as e:
+        return Quarantine("invalid_json", f"line {line_no}: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return Quarantine("invalid_json", f"line {line_no}: nested deeper than the JSON parser's limit")
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        return Quarantine("invalid_json", f"line {line_no}: {e}")
+
+
+def _span_start(path: Path, start: int) -> tuple[int, int]:
+    """Where the first line starting at or after byte `start` begins, and how many lines come before it
+    (read with unbuffered 1 MB reads: newlines are counted, nothing is parsed)."""
+    if start == 0:
+        return 0, 0
+    count, pos = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while pos < start - 1:  # bytes [0, start - 1): their newlines
+            chunk = f.read(min(lines.CHUNK, start - 1 - pos))
+            if not chunk:
+                return pos, count
+            count, pos = count + chunk.count(b"\n"), pos + len(chunk)
+        while chunk := f.read(lines.CHUNK):  # from byte start - 1 on: the end of the line it is in
+            cut = chunk.find(b"\n")
+            if cut >= 0:
+                return pos + cut + 1, count + 1
+            pos += len(chunk)
+    return pos, count
+
+
+def _span_chunks(path: Path, begin: int, stop: int) -> Iterator[bytes]:
+    """The bytes of the lines of a plain file that start in `[begin, stop)`, `begin` being a line start:
+    up to `stop`, then to the end of the line that `stop` falls in."""
+    with open(path, "rb", buffering=0) as f:
+        f.seek(begin)
+        pos, last = begin, b"\n"
+        while pos < stop and (chunk := f.read(min(lines.CHUNK, stop - pos))):
+            pos, last = pos + len(chunk), chunk[-1:]
+            yield chunk
+        while last != b"\n" and pos >= stop and (chunk := f.read(lines.CHUNK)):
+            cut = chunk.find(b"\n")
+            yield chunk if cut < 0 else chunk[: cut + 1]
+            last = b"" if cut < 0 else b"\n"
