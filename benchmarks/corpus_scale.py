@@ -13,7 +13,7 @@ reaches the 0.8 threshold (all but a few short documents').
 
 Each stage (`ingest` of the corpus written as k JSONL files, `filter` with the Gopher steps, `dedup`,
 `decontaminate` against the tiny preset's index, `tokenize` with GPT-2's BPE) runs on the same input
-through `tasks.stages.materialize` (a real store:
+through `tasks.runner.materialize` (a real store:
 keys, checks, commits): every phase's parts on a pool of `workers` processes, started and warmed (moeflow
 imported) before the clock starts, the shard count k (a shard holds the same documents at every scale),
 `dedup.partitions` max(1, k // 2), then the join in the pool. Reported per stage, scale and worker count:
@@ -164,7 +164,7 @@ def _hwm_mb() -> float:
 
 
 def warm(_: int) -> int:
-    import moeflow.tasks.stages  # noqa: F401  (a worker's start-up is not timed)
+    import moeflow.tasks.runner  # noqa: F401  (a worker's start-up is not timed)
 
     time.sleep(1.0)
     return os.getpid()
@@ -173,7 +173,7 @@ def warm(_: int) -> int:
 def part(spec: dict) -> dict:
     """One part (or the join) of a stage in a pool worker: seconds, and the worker's peak RSS so far."""
     from moeflow.store.local import Manifest
-    from moeflow.tasks.stages import materialize
+    from moeflow.tasks.runner import materialize
 
     cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"), spec.get("domains"))
     inputs = {k: Manifest.read(Path(v)) for k, v in spec["inputs"].items()}
@@ -188,7 +188,7 @@ def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[s
     """Every phase's parts on `workers` warm processes, then the join (or the stage's one task): wall
     seconds, peak worker RSS. `more`: `_config`'s `jsonl`, `steps` and `domains`."""
     from moeflow.store.local import Manifest
-    from moeflow.tasks.stages import STAGES
+    from moeflow.tasks.registry import STAGES
 
     cfg = _config(store, shards, **more)
     prior: dict[str, list[str]] = {}
@@ -328,7 +328,7 @@ def datatrove_quality(removed: list[str], truth: dict[str, str]) -> dict:
 
 def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
     from moeflow.store.local import Store
-    from moeflow.tasks.stages import materialize
+    from moeflow.tasks.runner import materialize
 
     corpus = build_corpus(work / f"corpus{scale}", base, scale)
     store = Store(work / f"store{scale}")

@@ -3,7 +3,7 @@
 Run: `python benchmarks/store.py [--preset smoke] [--repeats 3]` (fetches the preset's packages into the data
 cache when they are not there; starts moto's S3 server on a free port of 127.0.0.1 and stops it).
 
-Each repeat runs the data stages, `sources` through `mix`, in flow order through `tasks.stages.materialize`
+Each repeat runs the data stages, `sources` through `mix`, in flow order through `tasks.runner.materialize`
 (keys, input verification, commits; `force`, so every stage builds), once into a fresh local store and once
 into a fresh prefix of the S3 server, the two interleaved. On S3 every stage starts with an empty mirror, as
 if each ran on a node of its own: it downloads and verifies its inputs, builds in a local staging folder,
@@ -78,7 +78,7 @@ class Timed:
         return None
 
     def __call__(self, declared, *, cfg=None, label=None, **inputs):
-        from moeflow.tasks.stages import materialize
+        from moeflow.tasks.runner import materialize
 
         if self.done:
             return None

@@ -21,7 +21,8 @@ from moeflow.store.format import is_remote
 from moeflow.store.local import Manifest
 from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import check_stages
-from moeflow.tasks.stages import STAGES, key_parts
+from moeflow.tasks.registry import STAGES
+from moeflow.tasks.runner import key_parts
 
 
 class Unknown(Exception):

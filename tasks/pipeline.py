@@ -8,13 +8,16 @@ import contextlib
 import logging
 import os
 
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
 from moeflow.core.stage import Stage
 from moeflow.store.local import Manifest
 from moeflow.store.url import store_for
-from moeflow.tasks.stages import STAGES, TASKS, Inputs, artifact_key
+from moeflow.tasks.registry import STAGES
+from moeflow.tasks.runner import Inputs, Part, Prior, artifact_key, materialize
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +130,23 @@ class Pipeline:
                               "content_hash": manifest.content_hash,
                               "reused": made_by != str(state.state_details.task_run_id)}
         return manifest
+
+
+def _make_task(stage: Stage):
+    def run_stage(
+        stage_name: str,
+        cfg: RunConfig,
+        inputs: Inputs,
+        force: bool = False,
+        part: Part | None = None,
+        prior: Prior | None = None,
+    ) -> Manifest:
+        return materialize(stage_name, cfg, inputs, force=force, part=part, prior=prior)
+
+    # No Prefect cache and no persisted result: reuse is decided by the artifact store alone (the task
+    # returns at once when its manifest is there), so a cache hit never unpickles a file from the store.
+    return task(name=stage.name, cache_policy=NO_CACHE, persist_result=False, task_run_name=stage.name,
+                log_prints=True)(run_stage)
+
+
+TASKS = {name: _make_task(stage) for name, stage in STAGES.items()}

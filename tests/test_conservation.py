@@ -6,7 +6,7 @@ from moeflow import configs
 from moeflow.core.documents import DocWriter
 from moeflow.core.ledger import ConservationError
 from moeflow.store.local import Store
-from moeflow.tasks.stages import materialize
+from moeflow.tasks.runner import materialize
 
 TEXT = "the quick brown fox jumps over the lazy dog and keeps running through the field " * 5
 

@@ -211,7 +211,8 @@ def _own_tokenizer(path: Path, text: str = "abc def ghi ") -> Path:
 def test_your_own_tokenizer_file_gets_the_separator_and_its_bytes_key_the_stage(tmp_path):
     from moeflow import configs
     from moeflow.lineage import keys
-    from moeflow.tasks.stages import STAGES, key_parts
+    from moeflow.tasks.registry import STAGES
+    from moeflow.tasks.runner import key_parts
 
     own = _own_tokenizer(tmp_path / "mine.json")
     out = tmp_path / "out"

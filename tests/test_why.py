@@ -13,7 +13,8 @@ from helpers import write_config
 from moeflow import configs
 from moeflow.flows import why
 from moeflow.lineage import code, keys
-from moeflow.tasks.stages import STAGES, key_parts
+from moeflow.tasks.registry import STAGES
+from moeflow.tasks.runner import key_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_OF_DEDUP = ("sources", "ingest", "filter")
@@ -247,7 +248,7 @@ def test_filter_shards_are_out_of_the_joined_key():
 def test_code_closure_follows_imports_inside_functions_too():
     mods = code.closure("moeflow.dedup.corpus")
     assert "moeflow.dedup.minhash" in mods and "moeflow.core.ledger" in mods
-    assert "moeflow.moe.train" not in mods and "moeflow.tasks.stages" not in mods
+    assert "moeflow.moe.train" not in mods and "moeflow.tasks.runner" not in mods
     assert "moeflow.sources.stage" in code.closure("moeflow.sources.stage")
     assert "moeflow.sources.registry" not in code.closure("moeflow.sources.stage")  # data: keyed as fetched
     # ingest imports nothing of dedup: a dedup edit cannot reach it

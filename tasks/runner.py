@@ -1,11 +1,12 @@
-"""Thin Prefect tasks, one per stage: the stage declarations, their keys, lineage records and atomic commits.
+"""The one stage runner: keys any declared stage, builds it in a staging folder, checks, records and commits it.
 
-A stage is declared once: the config slice its body receives, its body (a plain function in the
-stage's own package: `body(slice, inputs, out)`), the libraries that shape its output and the files
-it reads from outside the store. The key is derived from that declaration alone (`lineage.keys`):
+A stage is declared once, in its package's `stages.py`: the config slice its body receives, its body (a
+plain function of that package: `body(slice, inputs, out)`), the libraries that shape its output and the
+files it reads from outside the store. The key is derived from that declaration alone (`lineage.keys`):
 the slice less its operational fields, the normalised code of the modules the body reaches, those
 libraries' versions, the fetched files' identities and the inputs' content hashes. Reuse is decided
-by the store alone: a task whose artifact is there returns its manifest at once. Prefect caches and
+by the store alone: a stage whose artifact is there returns its manifest at once (`tasks/pipeline.py`
+wraps this in Prefect tasks). Prefect caches and
 persists nothing (its results are pickles; a store that others can write must never run code).
 A sharded stage runs as phases of tasks on the configured runner (record shards, or partitions of a
 distributed reduce), each part its own artifact, keyed by the parts it reads, then joined.
@@ -20,21 +21,13 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from moeflow.card.stages import CARD
 from moeflow.configs import RunConfig
 from moeflow.core.ledger import ConservationError
 from moeflow.core.stage import Stage
-from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
-from moeflow.filters.stages import FILTER
-from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.lineage import code, keys, openlineage, record
-from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
 from moeflow.store.local import Manifest, Store
 from moeflow.store.url import store_for
-from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
+from moeflow.tasks.registry import STAGES
 
 log = logging.getLogger(__name__)
 Inputs = dict[str, Manifest]
@@ -45,14 +38,6 @@ class StoreFull(OSError):
 
     Nothing was published.
     """
-
-
-# Every stage, in the order of the DAG; each is declared in its own package's `stages.py`.
-STAGES: dict[str, Stage] = {
-    s.name: s
-    for s in (SOURCES, INGEST, FILTER, DEDUP, BENCHMARKS, DECONTAMINATE, OVERLAP, TOKENIZER, TOKENIZE, MIX,
-              RUNG_MIX, RUNG, LADDER, TRAIN, EVALUATE, CARD)
-}
 
 
 Part = tuple[str, int, int]  # (phase, index, count): one part of a sharded stage
@@ -274,23 +259,3 @@ def relpath(m: Manifest) -> str:
 
 def _ref(m: Manifest) -> dict:
     return {"hash": m.hash, "content_hash": m.content_hash, "path": relpath(m)}
-
-
-def _make_task(stage: Stage):
-    def run_stage(
-        stage_name: str,
-        cfg: RunConfig,
-        inputs: Inputs,
-        force: bool = False,
-        part: Part | None = None,
-        prior: Prior | None = None,
-    ) -> Manifest:
-        return materialize(stage_name, cfg, inputs, force=force, part=part, prior=prior)
-
-    # No Prefect cache and no persisted result: reuse is decided by the artifact store alone (the task
-    # returns at once when its manifest is there), so a cache hit never unpickles a file from the store.
-    return task(name=stage.name, cache_policy=NO_CACHE, persist_result=False, task_run_name=stage.name,
-                log_prints=True)(run_stage)
-
-
-TASKS = {name: _make_task(stage) for name, stage in STAGES.items()}

@@ -1,0 +1,20 @@
+"""Every stage by name, in the order of the DAG: `--rerun`, `--until` and `moeflow why` name stages so.
+
+Each stage is declared in its own package's `stages.py`; the flow imports the values themselves.
+"""
+
+from __future__ import annotations
+
+from moeflow.card.stages import CARD
+from moeflow.core.stage import Stage
+from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
+from moeflow.filters.stages import FILTER
+from moeflow.ingest.stages import INGEST, SOURCES
+from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
+from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (SOURCES, INGEST, FILTER, DEDUP, BENCHMARKS, DECONTAMINATE, OVERLAP, TOKENIZER, TOKENIZE, MIX,
+              RUNG_MIX, RUNG, LADDER, TRAIN, EVALUATE, CARD)
+}
