@@ -13,11 +13,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
-from moeflow.core.stage import Stage
+from moeflow.core.stage import Phase, Stage
 from moeflow.store.local import Manifest
 from moeflow.store.url import store_for
 from moeflow.tasks.registry import STAGES
-from moeflow.tasks.runner import Inputs, Part, Prior, artifact_key, materialize
+from moeflow.tasks.runner import Inputs, Part, Prior, artifact_key, materialize, run_phases
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +105,21 @@ class Pipeline:
             return None  # (asked before counting the parts: that may read the stage's input)
         if not st.sharded(cfg, inputs):
             return None
-        prior: dict[str, list[Manifest]] = {}
         widest = max(st.fanout(cfg, inputs).values())
         with _runner(cfg, widest) if widest > 1 else contextlib.nullcontext() as runner:
-            for phase in st.phases:
-                n = phase.parts(cfg, inputs)
+            def build_phase(phase: Phase, n: int, prior: Prior) -> list[Manifest]:
                 name = label if phase.name == "shard" else f"{label}.{phase.name}"
                 states = []
                 for r in range(n):
                     one = task_.with_options(task_run_name=f"{name}[{r}/{n}]")
                     kwargs = {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
-                              "part": (phase.name, r, n), "prior": dict(prior)}
+                              "part": (phase.name, r, n), "prior": prior}
                     states.append(runner.submit(one, kwargs) if runner else one(**kwargs, return_state=True))
                 for future in states if runner else []:
                     future.wait()
-                prior[phase.name] = [self._record(f"{name}[{r}/{n}]", s.state if runner else s)
-                                     for r, s in enumerate(states)]
-        return prior
+                return [self._record(f"{name}[{r}/{n}]", s.state if runner else s) for r, s in enumerate(states)]
+
+            return run_phases(st, cfg, inputs, build_phase)
 
     def _record(self, label: str, state) -> Manifest:
         manifest: Manifest = state.result()

@@ -18,12 +18,13 @@ import errno
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from moeflow.configs import RunConfig
 from moeflow.core.ledger import ConservationError
-from moeflow.core.stage import Stage
+from moeflow.core.stage import Phase, Stage
 from moeflow.lineage import code, keys, openlineage, record
 from moeflow.store.local import Manifest, Store
 from moeflow.store.url import store_for
@@ -125,13 +126,23 @@ def materialize(
     return manifest
 
 
-def _phases_here(stage: Stage, cfg: RunConfig, inputs: Inputs, force: bool) -> Prior:
+def run_phases(stage: Stage, cfg: RunConfig, inputs: Inputs,
+               build_phase: Callable[[Phase, int, Prior], list[Manifest]]) -> Prior:
+    """The one loop over a sharded stage's phases, in order: `build_phase(phase, n, prior)` builds a phase's n
+    parts from the earlier phases' parts (here, one after another; in `Pipeline`, as concurrent tasks) and
+    returns their manifests in part order. Returns every phase's parts, for the join."""
     prior: Prior = {}
     for phase in stage.phases:
-        n = phase.parts(cfg, inputs)
-        prior[phase.name] = [materialize(stage.name, cfg, inputs, force=force, part=(phase.name, r, n),
-                                         prior=dict(prior)) for r in range(n)]
+        prior[phase.name] = build_phase(phase, phase.parts(cfg, inputs), dict(prior))
     return prior
+
+
+def _phases_here(stage: Stage, cfg: RunConfig, inputs: Inputs, force: bool) -> Prior:
+    def build_phase(phase: Phase, n: int, prior: Prior) -> list[Manifest]:
+        return [materialize(stage.name, cfg, inputs, force=force, part=(phase.name, r, n), prior=prior)
+                for r in range(n)]
+
+    return run_phases(stage, cfg, inputs, build_phase)
 
 
 def _run_body(
