@@ -6,6 +6,7 @@ Configs are frozen because stage hashes are computed from them.
 
 from __future__ import annotations
 
+import inspect
 import os
 from enum import Enum
 from pathlib import Path
@@ -13,6 +14,10 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moeflow.core.paths import cache_dir
+from moeflow.store.format import is_remote
+from moeflow.store.mirror import mirror_root
 
 PRESETS_DIR = Path(__file__).resolve().parent
 
@@ -144,9 +149,7 @@ class FilterConfig(Frozen):
     @field_validator("gopher_quality", "c4", "fineweb")
     @classmethod
     def _datatrove_kwargs(cls, v: dict, info) -> dict:
-        import inspect
-
-        import datatrove.pipeline.filters as dt
+        import datatrove.pipeline.filters as dt  # ~2 s with spaCy: paid only by configs that set these blocks
 
         block = getattr(dt, DATATROVE_FILTERS[info.field_name])
         known = set(inspect.signature(block.__init__).parameters) - {"self", "exclusion_writer"}
@@ -569,8 +572,6 @@ class RunConfig(Frozen):
 
     def store_url(self) -> str:
         """The artifact store: a local folder, or an fsspec URL (`s3://bucket/prefix`) for an object store."""
-        from moeflow.core.paths import cache_dir
-        from moeflow.store.format import is_remote
 
         root = self.store or os.environ.get("MOEFLOW_STORE")
         if root and is_remote(root):
@@ -583,11 +584,9 @@ class RunConfig(Frozen):
 
     def store_path(self) -> Path:
         """The store's local folder: the store itself, or this node's mirror of an object store."""
-        from moeflow.store.format import is_remote
 
         url = self.store_url()
         if is_remote(url):
-            from moeflow.store.mirror import mirror_root
 
             return mirror_root(url)
         return Path(url)

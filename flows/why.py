@@ -16,6 +16,7 @@ from pathlib import Path
 
 from moeflow.configs import RunConfig
 from moeflow.core.stage import Stage
+from moeflow.flows.pretrain import dag
 from moeflow.lineage import keys
 from moeflow.store.format import is_remote
 from moeflow.store.local import Manifest
@@ -23,6 +24,7 @@ from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import check_stages
 from moeflow.tasks.registry import STAGES
 from moeflow.tasks.runner import key_parts
+from moeflow.tokenize import tokenizer
 
 
 class Unknown(Exception):
@@ -69,8 +71,6 @@ class DryRun:
             raise Unknown(
                 "the rungs' sizes depend on the tokenizer's vocabulary, and the tokenizer is rebuilt first"
             )
-        from moeflow.tokenize import tokenizer
-
         return tokenizer.load(tok.manifest.dir).get_vocab_size()
 
     def __call__(
@@ -136,8 +136,6 @@ def _last_run(store, config: str) -> dict[str, str]:
 
 def why(cfg: RunConfig, stage: str | None = None, rerun: tuple[str, ...] = ()) -> list[Plan]:
     """Plan the flow for `cfg` without building anything; with `stage`, up to and including it."""
-    from moeflow.flows.pretrain import dag
-
     run = DryRun(cfg, rerun=rerun, until=stage)
     dag(run, cfg)
     return list(run.plans.values())

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
 import sys
+
+from prefect.context import FlowRunContext, TaskRunContext
 
 from moeflow import __version__
 from moeflow.core.paths import PACKAGE_ROOT
@@ -43,9 +47,6 @@ def host() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _machine() -> dict:
-    import importlib.metadata
-    import os
-
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -67,7 +68,7 @@ def _dask_worker() -> str | None:
     """The Dask worker's address when this runs inside one (shard tasks on `execution.runner: dask`)."""
     if "distributed" not in sys.modules:
         return None
-    from distributed import get_worker
+    from distributed import get_worker  # the optional dask extra, imported already when this runs in a worker
 
     try:
         return get_worker().address
@@ -77,10 +78,6 @@ def _dask_worker() -> str | None:
 
 def prefect_context() -> dict:
     """Flow-run and task-run ids when called inside Prefect, else empty."""
-    try:
-        from prefect.context import FlowRunContext, TaskRunContext
-    except ImportError:  # pragma: no cover - prefect is a dependency
-        return {}
     out = {}
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
     if flow_ctx and flow_ctx.flow_run:

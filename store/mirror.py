@@ -24,6 +24,7 @@ from typing import Protocol
 import fsspec
 import xxhash
 
+from moeflow.core.paths import cache_dir
 from moeflow.store.format import LINEAGE, MANIFEST, ORIGIN, ArtifactError, corrupt, matches
 
 
@@ -43,8 +44,6 @@ def mirror_root(url: str) -> Path:
     """This node's mirror of the store at `url`: `$MOEFLOW_STORE_CACHE/<url slug>`, by default under the
     data cache; `MOEFLOW_STORE_CACHE=none`: a folder of this process's own, removed when it exits (nothing
     kept between stages or runs). The URL alone names it (credentials are never part of a store URL)."""
-    from moeflow.core.paths import cache_dir
-
     setting = os.environ.get("MOEFLOW_STORE_CACHE")
     base = _scratch() if setting == "none" else Path(setting or cache_dir() / "store-cache").expanduser()
     slug = re.sub(r"[^A-Za-z0-9]+", "_", url)[-60:].strip("_")

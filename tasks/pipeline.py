@@ -18,6 +18,7 @@ from moeflow.store.local import Manifest
 from moeflow.store.url import store_for
 from moeflow.tasks.registry import STAGES
 from moeflow.tasks.runner import Inputs, Part, Prior, artifact_key, materialize, run_phases
+from moeflow.tokenize import tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ def _runner(cfg: RunConfig, shards: int):
     ex = cfg.execution
     workers = ex.workers or os.cpu_count() or 1
     if ex.runner == "ray":
-        from prefect_ray import RayTaskRunner
+        from prefect_ray import RayTaskRunner  # an optional extra (`.[ray]`)
 
         if ex.ray_address:
             return RayTaskRunner(address=ex.ray_address)
         return RayTaskRunner(init_kwargs={"num_cpus": workers, "include_dashboard": False})
     if ex.runner == "dask":
-        from prefect_dask import DaskTaskRunner
+        from prefect_dask import DaskTaskRunner  # an optional extra (`.[dask]`)
 
         if ex.dask_address:
             return DaskTaskRunner(address=ex.dask_address)
@@ -74,8 +75,6 @@ class Pipeline:
         return flow_(self, *args)
 
     def vocab(self, tok: Manifest) -> int:
-        from moeflow.tokenize import tokenizer
-
         return tokenizer.load(tok.dir).get_vocab_size()
 
     def __call__(self, declared: Stage, *, cfg: RunConfig | None = None, label: str | None = None,

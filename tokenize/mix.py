@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import xxhash
 
 from moeflow.configs import ConfigError, MixConfig, Phase
@@ -177,8 +178,6 @@ def run(
 ) -> dict:
     """Write `train.arrow` (every phase's sequences in training order) and `heldout.arrow` (at the last
     phase's context length); raise ConfigError when a phase needs more repetition than `max_epochs`."""
-    import pyarrow.parquet as pq
-
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
