@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from moeflow.configs import EvalConfig, ModelConfig
 from moeflow.moe import device, scores
-from moeflow.moe.model import Transformer
-from moeflow.moe.train import lm_loss, sequences
+from moeflow.moe.data import sequences
+from moeflow.moe.model import Transformer, lm_loss
 from moeflow.tokenize import mix
 
 BATCH = 64  # benchmark requests a forward pass

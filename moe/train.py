@@ -17,35 +17,25 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import time
 from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
-import torch.nn.functional as F
 
-from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
+from moeflow.configs import ModelConfig, TrainConfig
 from moeflow.core import progress
 from moeflow.core.progress import tqdm
 from moeflow.moe import checkpoint, device, ladder, live, parallel
-from moeflow.moe.model import Transformer
-from moeflow.tokenize import mix
+from moeflow.moe.data import Sequences
+from moeflow.moe.metrics import Monitor, distributed_summary, group_grad_norms, group_of, rank_metrics
+from moeflow.moe.model import Transformer, lm_loss
+from moeflow.moe.optim import lr_at
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 log = logging.getLogger(__name__)
-PARAM_GROUPS = (
-    ("router", ".router."),
-    ("experts", ".experts."),
-    ("shared_expert", ".shared_expert."),
-    ("dense_mlp", ".mlp."),
-    ("attention", ".attn."),
-    ("embedding", "embed."),
-    ("norms", "norm"),
-)
 
 
 class TrainingAlarm(RuntimeError):
@@ -56,109 +46,9 @@ class StopTraining(Exception):
     """Raised by `stop_after` to end a run between steps, as a kill would (tests use it)."""
 
 
-def sequences(path: Path) -> np.ndarray:
-    """A mix output file of one sequence length as an int64 array [rows, seq_len + 1]."""
-    col = mix.read(path).column("tokens").combine_chunks()
-    return col.flatten().to_numpy().astype(np.int64).reshape(len(col), col.type.list_size)
-
-
-class Sequences:
-    """The training sequences of a mix file, memory-mapped (a record batch of it at a time: nothing is
-    copied but the rows asked for); rows of different phases differ in length."""
-
-    def __init__(self, path: Path):
-        table = mix.read(path)
-        chunks = table.column("tokens").chunks
-        self.values = [c.flatten().to_numpy() for c in chunks]
-        self.bases = np.cumsum([0] + [len(v) for v in self.values])  # each chunk's first token
-        offsets = [np.zeros(1, np.int64)]
-        for c, base in zip(chunks, self.bases, strict=False):
-            if isinstance(c, pa.FixedSizeListArray):
-                local = np.arange(1, len(c) + 1, dtype=np.int64) * c.type.list_size
-            else:
-                local = c.offsets.to_numpy()[1:].astype(np.int64) - int(c.offsets[0].as_py())
-            offsets.append(local + base)
-        self.offsets = np.concatenate(offsets)
-        self.phase = (
-            table.column("phase").to_numpy()
-            if "phase" in table.column_names
-            else np.zeros(len(self.offsets) - 1, dtype=np.int16)
-        )
-        self.max_len = int(np.diff(self.offsets).max()) - 1 if len(self) else 0
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def width(self, a: int, b: int) -> int:
-        """The stored length shared by rows a..b-1 (model inputs + 1).
-
-        A batch must not cross a phase boundary.
-        """
-        lo, hi = int(self.offsets[a]), int(self.offsets[b])
-        width = int(self.offsets[a + 1] - lo)
-        if hi - lo != width * (b - a) or self.phase[a] != self.phase[b - 1]:
-            widths = sorted(set(np.diff(self.offsets[a : b + 1]).tolist()))
-            raise ValueError(
-                f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary"
-            )
-        return width
-
-    def rows(self, a: int, b: int) -> np.ndarray:
-        """Rows a..b-1 as an int64 array [rows, length]."""
-        width = self.width(a, b)
-        lo, hi = int(self.offsets[a]), int(self.offsets[b])
-        first = int(np.searchsorted(self.bases, lo, side="right")) - 1
-        pieces, k = [], first
-        while lo < hi:
-            take = min(hi, int(self.bases[k + 1])) - lo
-            pieces.append(self.values[k][lo - self.bases[k] : lo - self.bases[k] + take])
-            lo, k = lo + take, k + 1
-        flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        return flat.astype(np.int64).reshape(b - a, width)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "wsd":
-        decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
-        if step < decay_start:
-            return cfg.lr
-        return cfg.lr - (cfg.lr - floor) * (step - decay_start + 1) / (cfg.steps - decay_start)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def lm_loss(
-    model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
-) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
-    """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
-    logits_BSV, auxes = model(batch_BS[:, :-1])
-    logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
-    ce = F.cross_entropy(logits, batch_BS[:, 1:].reshape(-1))
-    # only when asked: a logsumexp over every logit costs about a tenth of a tiny model's step
-    z = torch.logsumexp(logits, dim=-1).square().mean() if logit_z else ce.new_zeros(())
-    return ce, auxes, z
-
-
 def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(model_cfg, vocab_size, seq_len)
-
-
-def group_of(name: str) -> str:
-    return next((g for g, key in PARAM_GROUPS if key in f".{name}"), "other")
-
-
-def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
-    sums: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        group = group_of(name)
-        sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
-    return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
 
 
 def _sync(
@@ -175,33 +65,6 @@ def _sync(
         [p for p in model.parameters() if p.grad is not None], clip, torch.tensor(total)
     )
     return {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}, total, world.mean(means)
-
-
-class Monitor:
-    """Alarms for loss spikes and grad-norm jumps against the band of the last `window` steps."""
-
-    def __init__(self, cfg: AlarmConfig):
-        self.cfg = cfg
-        self.losses: deque[float] = deque(maxlen=cfg.window)
-        self.norms: deque[float] = deque(maxlen=cfg.window)
-
-    def check(self, loss: float, grad_norm: float) -> list[str]:
-        alarms = []
-        if len(self.losses) == self.cfg.window:
-            median = statistics.median(self.losses)
-            if loss > (1 + self.cfg.loss_spike) * median:
-                alarms.append(
-                    f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}"
-                )
-            mean, std = statistics.fmean(self.norms), statistics.pstdev(self.norms)
-            if grad_norm > max(mean + self.cfg.grad_norm_sigma * std, self.cfg.grad_norm_ratio * mean):
-                alarms.append(
-                    f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + "
-                    f"{self.cfg.grad_norm_sigma} x std {std:.4f}"
-                )
-        self.losses.append(loss)
-        self.norms.append(grad_norm)
-        return alarms
 
 
 def _autocast(precision: str, device_type: str):
@@ -385,7 +248,7 @@ def run(
                 "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0,
             }
             if world is not None:
-                record["ranks"] = _rank_metrics(world, dt, len(per_expert_l))
+                record["ranks"] = rank_metrics(world, dt, len(per_expert_l))
             alarms = monitor.check(ce_v, grad_norm)
             recent.append(ce_v)
             if band is not None:
@@ -444,52 +307,6 @@ def run(
     summary = _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from,
                       max_len)
     return {**summary, "device": device.describe(dev), "peak_tflops": peak}
-
-
-def _rank_metrics(world: parallel.World, step_s: float, moe_layers: int) -> list[dict]:
-    """Every rank's step time, all-to-all time and tokens its experts processed per MoE layer.
-
-    Gathered on all ranks.
-    """
-    all_to_all_s, received = world.take_timer()
-    per_layer = (
-        [torch.stack(received[i::moe_layers]).sum(0).tolist() for i in range(moe_layers)] if received else []
-    )
-    return world.gather_object(
-        {
-            "rank": world.rank,
-            "step_s": round(step_s, 5),
-            "all_to_all_s": round(all_to_all_s, 5),
-            "expert_tokens": per_layer,
-        }
-    )
-
-
-def _distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
-    """Per rank over the run: share of step time in the token all-to-all, tokens its experts processed."""
-    steps = [r["ranks"] for r in records if "ranks" in r]
-    if not steps:
-        return None
-    ranks = []
-    for i in range(len(steps[0])):
-        step_s = sum(s[i]["step_s"] for s in steps)
-        ranks.append(
-            {
-                "rank": i,
-                "all_to_all_share": round(sum(s[i]["all_to_all_s"] for s in steps) / step_s, 4),
-                "expert_tokens": [
-                    [sum(col) for col in zip(*(s[i]["expert_tokens"][layer] for s in steps))]
-                    for layer in range(len(steps[0][i]["expert_tokens"]))
-                ],
-                "step_s": round(step_s, 2),
-            }
-        )
-    return {
-        "world_size": len(ranks),
-        "nnodes": cfg.distributed.nnodes,
-        "expert_parallel": cfg.distributed.expert_parallel,
-        "ranks": ranks,
-    }
 
 
 def _finish(
@@ -567,5 +384,5 @@ def _finish(
         "alarms": alarms,
         "schedule": cfg.schedule,
         "precision": cfg.precision,
-        "distributed": _distributed_summary(cfg, records),
+        "distributed": distributed_summary(cfg, records),
     }
