@@ -64,7 +64,7 @@ def bf16_against_cpu(data: Path, tmp: Path, dev: str) -> dict:
 
 
 def megablocks_against_torch(dev: torch.device) -> dict:
-    from moeflow.moe.layer import build_moe
+    from moeflow.moe.backend import build_moe
 
     cfg = ModelConfig(d_model=256, num_experts=8, top_k=2, expert_hidden=512)
     ref = build_moe(cfg).to(dev)

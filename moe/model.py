@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.configs import ModelConfig
+from moeflow.moe.backend import build_moe
 from moeflow.moe.experts import SharedExpert
-from moeflow.moe.layer import build_moe
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
