@@ -1,10 +1,24 @@
-"""The optimizer's learning rate at each step: linear warmup, then cosine decay or warmup-stable-decay."""
+"""The optimizer and its learning rate at each step: AdamW, linear warmup, then cosine decay or
+warmup-stable-decay."""
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from moeflow.configs import TrainConfig
+
+
+def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only: decaying norm gains would pull them towards zero, not towards 1."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
