@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from moeflow.configs import EvalConfig, ModelConfig
 from moeflow.moe import device, scores
-from moeflow.moe.model import Transformer
-from moeflow.moe.train import lm_loss, sequences
-from moeflow.tokenize import mix
+from moeflow.moe.data import sequences
+from moeflow.moe.model import Transformer, lm_loss
+from moeflow.tokenize import mix, tokenizer
 
 BATCH = 64  # benchmark requests a forward pass
 
@@ -39,8 +39,6 @@ def stage(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
 
 @torch.no_grad()
 def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
-    from moeflow.tokenize import tokenizer
-
     dev = device.resolve("auto")
     # float64: a request's log-likelihood must not depend on the batch it was padded into (float32 sums
     # of ~100-nat continuations differ by more than 1e-5 between batch shapes)

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers.implementations import ByteLevelBPETokenizer
 
 from moeflow.configs import ModelConfig, TrainConfig
 from moeflow.moe import device as devices
 from moeflow.moe import train
+from moeflow.moe.backend import build_moe
+from moeflow.tokenize import mix
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGABLOCKS = ["megablocks==0.10.0", "stanford-stk==0.7.1", "grouped_gemm==0.3.0"]
@@ -33,7 +36,7 @@ MEGABLOCKS = ["megablocks==0.10.0", "stanford-stk==0.7.1", "grouped_gemm==0.3.0"
 
 def _data(folder: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import write_training_mix  # a small learnable mix and its tokenizer
+    from helpers import write_training_mix  # here: tests/ joins the path only above; a small learnable mix
 
     folder.mkdir(parents=True, exist_ok=True)
     return write_training_mix(folder)
@@ -64,8 +67,6 @@ def bf16_against_cpu(data: Path, tmp: Path, dev: str) -> dict:
 
 
 def megablocks_against_torch(dev: torch.device) -> dict:
-    from moeflow.moe.layer import build_moe
-
     cfg = ModelConfig(d_model=256, num_experts=8, top_k=2, expert_hidden=512)
     ref = build_moe(cfg).to(dev)
     mb = build_moe(cfg.model_copy(update={"backend": "megablocks"})).to(dev)
@@ -79,10 +80,6 @@ def megablocks_against_torch(dev: torch.device) -> dict:
 
 def throughput(data_dir: Path, dev: str, small: bool) -> dict:
     """A model that fills the GPU (at --small, a toy), 200 steps of bf16: tokens/s and MFU."""
-    from tokenizers.implementations import ByteLevelBPETokenizer
-
-    from moeflow.tokenize import mix
-
     sizes = (64, 2, 8, 64, 8, 10) if small else (2048, 12, 32, 2048, 16, 200)
     width, layers, experts, seq, batch, steps = sizes
     tok = ByteLevelBPETokenizer()

@@ -23,6 +23,7 @@ from scipy.optimize import curve_fit
 
 from moeflow.configs import LadderConfig, ModelConfig, RunConfig, TrainConfig
 from moeflow.moe.model import Transformer
+from moeflow.tokenize import tokenizer
 
 SMOOTH = 10  # steps in the moving average that curves are compared on
 
@@ -184,8 +185,6 @@ def fit(compute: list[float], loss: list[float], target: float, bootstrap: int =
 
 def stage(s: dict, inputs: dict, out: Path) -> dict:
     """The `ladder` stage's body: `s` holds the ladder, model, train, seed and phases; inputs the rungs."""
-    from moeflow.tokenize import tokenizer
-
     rungs = [m.dir for k, m in sorted(inputs.items()) if k.startswith("rung")]
     vocab = tokenizer.load(inputs["tokenizer"].dir).get_vocab_size()
     return predict(

@@ -9,6 +9,7 @@ a shared `work` folder (the artifact store) carries the arguments, checkpoints a
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from moeflow.configs import ModelConfig, TrainConfig, TrainStageConfig
@@ -64,8 +66,6 @@ def command(cfg: TrainConfig, spec: Path) -> list[str]:
 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the stage's process dies (torchrun then stops its ranks)."""
-    import ctypes
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -152,8 +152,6 @@ def torchrun(
 
 @record  # a failing rank's exception is written where torchrun reports it as the root cause
 def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     ladder_dir = Path(spec["ladder_dir"]) if spec["ladder_dir"] else None

@@ -4,7 +4,7 @@ Legend: T tokens, D model width, E experts, K experts per token, A = T*K assignm
 Dropless by default: every (token, expert) assignment is computed. With `capacity_factor` set, each
 expert keeps its first ceil(cf * A / E) assignments in token order and drops the rest (their
 contribution is zero); the drop rate is reported, for comparison with the dropless layer.
-`build_moe` picks the backend: this reference, or MegaBlocks' dMoE on CUDA.
+`moe/backend.py` picks the backend: this reference, or MegaBlocks' dMoE on CUDA.
 """
 
 from __future__ import annotations
@@ -66,11 +66,3 @@ class MoE(nn.Module):
             "dropped": (routed_E - tokens_per_expert_E).sum().detach(),
         }
         return out_TD.reshape(shape), aux
-
-
-def build_moe(cfg: ModelConfig) -> nn.Module:
-    if cfg.backend == "megablocks":
-        from moeflow.moe.megablocks_backend import MegaBlocksMoE
-
-        return MegaBlocksMoE(cfg)
-    return MoE(cfg)

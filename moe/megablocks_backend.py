@@ -40,7 +40,7 @@ BF16_ONLY_DEVICES = ("cuda",)
 
 def _megablocks():
     """(Arguments, dMoE), or one RuntimeError naming the install command whatever piece is missing."""
-    try:
+    try:  # here, not at the top: megablocks is optional and CUDA-only; the torch backend never needs it
         from megablocks import grouped_gemm_util
         from megablocks.layers.arguments import Arguments
         from megablocks.layers.dmoe import dMoE

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.configs import ModelConfig
+from moeflow.moe.backend import build_moe
 from moeflow.moe.experts import SharedExpert
-from moeflow.moe.layer import build_moe
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,3 +101,15 @@ class Transformer(nn.Module):
         p = self.num_params()
         attention = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
         return 6 * (p["active_non_embedding"] + p["embedding"]) + attention
+
+
+def lm_loss(
+    model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
+) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
+    """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
+    logits_BSV, auxes = model(batch_BS[:, :-1])
+    logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
+    ce = F.cross_entropy(logits, batch_BS[:, 1:].reshape(-1))
+    # only when asked: a logsumexp over every logit costs about a tenth of a tiny model's step
+    z = torch.logsumexp(logits, dim=-1).square().mean() if logit_z else ce.new_zeros(())
+    return ce, auxes, z

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.moe.layer import MoE
+
 EXPERT_KEY = ".experts."
 
 
@@ -51,8 +53,6 @@ class World:
 
     def shard(self, model: nn.Module) -> None:
         """Give every MoE layer this world; with expert parallelism, keep this rank's experts only."""
-        from moeflow.moe.layer import MoE
-
         if self.expert_parallel:
             model.expert_shards = self.size
         for module in model.modules():

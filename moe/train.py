@@ -1,13 +1,13 @@
 """The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume.
 
-Step i reads rows [i*B, (i+1)*B) of the mix's packed sequences, so the data position is the step.
-Checkpoints (every `checkpoint_every` steps, atomic) go to `work/checkpoints`; a run that finds one
-there resumes from it and reproduces the uninterrupted loss curve exactly on CPU. Per step,
-`metrics.jsonl` (and TensorBoard event files under `tensorboard/`) record: loss, cross-entropy,
-load-balancing, router z and logit z losses, grad norm (total and per parameter group), learning
-rate, tokens/s, achieved TFLOP/s and MFU (when the device's peak is configured or known), tokens per expert
-per MoE layer, load imbalance (max/mean) and token drop rate. Loss spikes and grad-norm jumps out of
-their recent band raise alarms (logged; optionally stopping the run).
+Legend: B rows of a micro-batch on this rank, S stored row length (model inputs + 1).
+`run` sets a `Trainer` up, then for each step: `train_step` (forward, backward, clip, update), `log`
+(metrics, alarms, live table: moe/metrics.py, moe/alarms.py, moe/runlog.py) and `checkpoint_if_due`;
+`finish` copies the result into the artifact. Step i reads rows [i*B, (i+1)*B) of the mix's packed
+sequences (moe/data.py), so the data position is the step. Checkpoints (every `checkpoint_every` steps,
+atomic) go to `work/checkpoints`; a run that finds one there resumes from it and reproduces the
+uninterrupted loss curve exactly on CPU. Loss spikes and grad-norm jumps out of their recent band raise
+alarms (logged; optionally stopping the run).
 """
 
 from __future__ import annotations
@@ -17,35 +17,25 @@ import logging
 import math
 import os
 import shutil
-import statistics
 import time
-from collections import deque
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
-import torch.nn.functional as F
 
-from moeflow.configs import AlarmConfig, ModelConfig, TrainConfig
-from moeflow.core import progress
-from moeflow.core.progress import tqdm
-from moeflow.moe import checkpoint, device, ladder, live, parallel
-from moeflow.moe.model import Transformer
-from moeflow.tokenize import mix
+from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.moe import checkpoint, device, ladder, parallel
+from moeflow.moe.alarms import Alarms, Monitor
+from moeflow.moe.data import Sequences
+from moeflow.moe.metrics import Step, group_grad_norms, group_of, rank_metrics, summarise
+from moeflow.moe.model import Transformer, lm_loss
+from moeflow.moe.optim import adamw, lr_at
+from moeflow.moe.runlog import RunLog
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 log = logging.getLogger(__name__)
-PARAM_GROUPS = (
-    ("router", ".router."),
-    ("experts", ".experts."),
-    ("shared_expert", ".shared_expert."),
-    ("dense_mlp", ".mlp."),
-    ("attention", ".attn."),
-    ("embedding", "embed."),
-    ("norms", "norm"),
-)
 
 
 class TrainingAlarm(RuntimeError):
@@ -56,152 +46,9 @@ class StopTraining(Exception):
     """Raised by `stop_after` to end a run between steps, as a kill would (tests use it)."""
 
 
-def sequences(path: Path) -> np.ndarray:
-    """A mix output file of one sequence length as an int64 array [rows, seq_len + 1]."""
-    col = mix.read(path).column("tokens").combine_chunks()
-    return col.flatten().to_numpy().astype(np.int64).reshape(len(col), col.type.list_size)
-
-
-class Sequences:
-    """The training sequences of a mix file, memory-mapped (a record batch of it at a time: nothing is
-    copied but the rows asked for); rows of different phases differ in length."""
-
-    def __init__(self, path: Path):
-        table = mix.read(path)
-        chunks = table.column("tokens").chunks
-        self.values = [c.flatten().to_numpy() for c in chunks]
-        self.bases = np.cumsum([0] + [len(v) for v in self.values])  # each chunk's first token
-        offsets = [np.zeros(1, np.int64)]
-        for c, base in zip(chunks, self.bases, strict=False):
-            if isinstance(c, pa.FixedSizeListArray):
-                local = np.arange(1, len(c) + 1, dtype=np.int64) * c.type.list_size
-            else:
-                local = c.offsets.to_numpy()[1:].astype(np.int64) - int(c.offsets[0].as_py())
-            offsets.append(local + base)
-        self.offsets = np.concatenate(offsets)
-        self.phase = (
-            table.column("phase").to_numpy()
-            if "phase" in table.column_names
-            else np.zeros(len(self.offsets) - 1, dtype=np.int16)
-        )
-        self.max_len = int(np.diff(self.offsets).max()) - 1 if len(self) else 0
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def width(self, a: int, b: int) -> int:
-        """The stored length shared by rows a..b-1 (model inputs + 1).
-
-        A batch must not cross a phase boundary.
-        """
-        lo, hi = int(self.offsets[a]), int(self.offsets[b])
-        width = int(self.offsets[a + 1] - lo)
-        if hi - lo != width * (b - a) or self.phase[a] != self.phase[b - 1]:
-            widths = sorted(set(np.diff(self.offsets[a : b + 1]).tolist()))
-            raise ValueError(
-                f"rows {a}..{b - 1} mix sequence lengths {widths}: a batch must not cross a phase boundary"
-            )
-        return width
-
-    def rows(self, a: int, b: int) -> np.ndarray:
-        """Rows a..b-1 as an int64 array [rows, length]."""
-        width = self.width(a, b)
-        lo, hi = int(self.offsets[a]), int(self.offsets[b])
-        first = int(np.searchsorted(self.bases, lo, side="right")) - 1
-        pieces, k = [], first
-        while lo < hi:
-            take = min(hi, int(self.bases[k + 1])) - lo
-            pieces.append(self.values[k][lo - self.bases[k] : lo - self.bases[k] + take])
-            lo, k = lo + take, k + 1
-        flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        return flat.astype(np.int64).reshape(b - a, width)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "wsd":
-        decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
-        if step < decay_start:
-            return cfg.lr
-        return cfg.lr - (cfg.lr - floor) * (step - decay_start + 1) / (cfg.steps - decay_start)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def lm_loss(
-    model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
-) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
-    """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
-    logits_BSV, auxes = model(batch_BS[:, :-1])
-    logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
-    ce = F.cross_entropy(logits, batch_BS[:, 1:].reshape(-1))
-    # only when asked: a logsumexp over every logit costs about a tenth of a tiny model's step
-    z = torch.logsumexp(logits, dim=-1).square().mean() if logit_z else ce.new_zeros(())
-    return ce, auxes, z
-
-
 def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(model_cfg, vocab_size, seq_len)
-
-
-def group_of(name: str) -> str:
-    return next((g for g, key in PARAM_GROUPS if key in f".{name}"), "other")
-
-
-def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
-    sums: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        group = group_of(name)
-        sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
-    return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
-
-
-def _sync(
-    world: parallel.World, model: torch.nn.Module, clip: float, means: list[float]
-) -> tuple[dict, float, list[float]]:
-    """Under torchrun: reduce gradients, clip by the whole model's norm.
-
-    Returns (group norms, norm, means of `means` over ranks).
-    """
-    world.reduce_gradients(model)
-    squares = world.grad_square_sums(model, group_of)
-    total = math.sqrt(sum(squares.values()))
-    torch.nn.utils.clip_grads_with_norm_(
-        [p for p in model.parameters() if p.grad is not None], clip, torch.tensor(total)
-    )
-    return {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}, total, world.mean(means)
-
-
-class Monitor:
-    """Alarms for loss spikes and grad-norm jumps against the band of the last `window` steps."""
-
-    def __init__(self, cfg: AlarmConfig):
-        self.cfg = cfg
-        self.losses: deque[float] = deque(maxlen=cfg.window)
-        self.norms: deque[float] = deque(maxlen=cfg.window)
-
-    def check(self, loss: float, grad_norm: float) -> list[str]:
-        alarms = []
-        if len(self.losses) == self.cfg.window:
-            median = statistics.median(self.losses)
-            if loss > (1 + self.cfg.loss_spike) * median:
-                alarms.append(
-                    f"loss_spike: {loss:.4f} > {(1 + self.cfg.loss_spike):.2f} x median {median:.4f}"
-                )
-            mean, std = statistics.fmean(self.norms), statistics.pstdev(self.norms)
-            if grad_norm > max(mean + self.cfg.grad_norm_sigma * std, self.cfg.grad_norm_ratio * mean):
-                alarms.append(
-                    f"grad_norm: {grad_norm:.4f} > mean {mean:.4f} + "
-                    f"{self.cfg.grad_norm_sigma} x std {std:.4f}"
-                )
-        self.losses.append(loss)
-        self.norms.append(grad_norm)
-        return alarms
 
 
 def _autocast(precision: str, device_type: str):
@@ -210,19 +57,195 @@ def _autocast(precision: str, device_type: str):
     return nullcontext()
 
 
-def _truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> list[dict]:
-    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them. Under torchrun
-    every rank reads them (for identical alarm decisions) before rank 0 rewrites the file."""
-    kept = (
-        [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto]
-        if path.exists()
-        else []
-    )
-    if world is not None:
-        torch.distributed.barrier()
-    if world is None or world.main:
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return kept
+@dataclass
+class _Totals:
+    """A step's loss terms summed over its micro-batches, and what its experts were routed."""
+
+    ce: float = 0.0
+    load_balancing: float = 0.0
+    router_z: float = 0.0
+    logit_z: float = 0.0
+    tokens_per_expert: list[torch.Tensor] | None = None  # per MoE layer
+    dropped: int = 0
+
+
+class Trainer:
+    """One training run. Under torchrun (WORLD_SIZE > 1) every rank has one: each computes its slice of
+    every micro-batch, rank 0 writes the records, checkpoints and artifact."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, *, seed: int, mix_dir: Path,
+                 tokenizer_dir: Path, out: Path, work: Path | None, ladder_dir: Path | None,
+                 band_tolerance: float):
+        self.model_cfg, self.cfg, self.out = model_cfg, cfg, out
+        self.dev = device.resolve(cfg.device)
+        self.peak = cfg.peak_tflops or device.peak_tflops(self.dev, cfg.precision)
+        self.world = parallel.init(cfg.distributed.expert_parallel, self.dev)
+        self.main = self.world is None or self.world.main
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (self.world.local_size if self.world else 1)))
+        self.work = Path(work or out)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.data = Sequences(Path(mix_dir) / "train.arrow")
+        needed = cfg.steps * cfg.batch_size
+        if len(self.data) < needed:
+            raise ValueError(
+                f"train: the mix holds {len(self.data)} sequences, {needed} are needed (steps x batch_size)"
+            )
+        self.vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
+        self.max_len = max(self.data.max_len, cfg.seq_len)
+        self.model = build_model(model_cfg, self.vocab, self.max_len, seed)
+        if self.world is not None:
+            self.world.shard(self.model)
+        self.model.to(self.dev)
+        self.opt = adamw(self.model, cfg)
+        self.micro = cfg.batch_size // cfg.grad_accum
+        self.local = self.micro // (self.world.size if self.world else 1)  # this rank's rows of a micro-batch
+        self.offset = self.world.rank * self.local if self.world else 0
+        band = ladder.Band(ladder_dir, cfg.steps, band_tolerance) if ladder_dir else None
+        self.alarms = Alarms(Monitor(cfg.alarms), band, cfg.warmup_steps)
+        self.ckpt_root = self.work / "checkpoints"
+        self.start, self.resumed_from, self.resumes = 0, None, []
+
+    def fit(self, stop_after: int | None = None) -> dict | None:
+        self.runlog = RunLog(self.work, self.cfg, self.world, self.resume())
+        self.alarms.replay(self.runlog.kept)
+        with self.runlog.steps():
+            for i in range(self.start, self.cfg.steps):
+                if stop_after is not None and i >= stop_after:
+                    raise StopTraining(f"stopped before step {i + 1}")
+                s = self.train_step(i)
+                self.log(s)
+                self.checkpoint_if_due(s.number)
+        return self.finish()
+
+    def resume(self) -> int | None:
+        """Load the latest checkpoint in `work`, if any; its step."""
+        latest = checkpoint.latest(self.ckpt_root)
+        if latest is None:
+            return None
+        state = checkpoint.load(latest, self.model, self.opt, self.world)
+        self.start = self.resumed_from = state["step"]
+        if self.main:
+            log.warning("train: resuming from %s (step %d of %d)", latest, self.start, self.cfg.steps)
+        self.resumes = state.get("resumes", []) + [{"from_step": self.start}]
+        return self.start
+
+    def train_step(self, i: int) -> Step:
+        """Step i (from 0): a forward and backward pass per micro-batch, then clip and update."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = lr_at(i, cfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        first = i * cfg.batch_size
+        seq_len = self.data.width(first, first + cfg.batch_size) - 1  # checks the step stays in one phase
+        totals = _Totals()
+        for m in range(cfg.grad_accum):
+            a = first + m * self.micro + self.offset
+            self.forward_backward(self.data.rows(a, a + self.local), totals)
+        groups, grad_norm = self.clip(totals)
+        self.opt.step()
+        seconds = time.perf_counter() - t0
+        return Step(
+            number=i + 1, phase=int(self.data.phase[first]), seq_len=seq_len, lr=lr,
+            micro_batches=cfg.grad_accum, ce_sum=totals.ce, load_balancing_sum=totals.load_balancing,
+            router_z_sum=totals.router_z, logit_z_sum=totals.logit_z, grad_norm=grad_norm,
+            grad_norm_groups=groups, tokens_per_expert=[c.tolist() for c in totals.tokens_per_expert],
+            dropped=totals.dropped, seconds=seconds, tokens=cfg.batch_size * seq_len,
+            flops_per_token=self.model.flops_per_token(seq_len),
+        )
+
+    def forward_backward(self, rows: np.ndarray, t: _Totals) -> None:
+        """One micro-batch's loss and its gradient, scaled for accumulation; its terms are added to `t`."""
+        cfg = self.cfg
+        with _autocast(cfg.precision, self.dev.type):
+            batch_BS = device.batch(rows, self.dev)
+            ce, auxes, logit_z = lm_loss(self.model, batch_BS, logit_z=cfg.logit_z_coef > 0)
+        lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
+        z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
+        loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
+        (loss / cfg.grad_accum).backward()
+        t.ce, t.load_balancing, t.router_z, t.logit_z = (
+            t.ce + ce.item(),
+            t.load_balancing + lb.item(),
+            t.router_z + z.item(),
+            t.logit_z + logit_z.item(),
+        )
+        counts = [a["tokens_per_expert"] for a in auxes]
+        t.tokens_per_expert = (
+            counts if t.tokens_per_expert is None else [a + b for a, b in zip(t.tokens_per_expert, counts)]
+        )
+        t.dropped += sum(int(a["dropped"]) for a in auxes)
+
+    def clip(self, t: _Totals) -> tuple[dict[str, float], float]:
+        """Clip the gradients by the whole model's norm; (norm per parameter group, norm) before clipping.
+
+        Under torchrun the gradients are reduced first, and `t` becomes the mean over ranks.
+        """
+        if self.world is None:
+            groups = group_grad_norms(self.model)
+            return groups, float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        self.world.reduce_gradients(self.model)
+        squares = self.world.grad_square_sums(self.model, group_of)
+        total = math.sqrt(sum(squares.values()))
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], self.cfg.grad_clip, torch.tensor(total)
+        )
+        groups = {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}
+        means = self.world.mean([t.ce, t.load_balancing, t.router_z, t.logit_z, t.dropped])
+        t.ce, t.load_balancing, t.router_z, t.logit_z = means[:4]
+        t.dropped = round(means[4] * self.world.size)
+        return groups, total
+
+    def log(self, s: Step) -> None:
+        """The step's record and alarms (stopping the run on one if the config says so)."""
+        record = s.record(self.cfg, self.peak)
+        if self.world is not None:
+            record["ranks"] = rank_metrics(self.world, s.seconds, len(s.tokens_per_expert))
+        alarms = self.alarms.check(s, record)
+        for alarm in alarms:  # every rank sees the same values, so every rank decides the same
+            self.runlog.alarm(s.number, alarm)
+            if self.cfg.alarms.stop:
+                raise TrainingAlarm(f"step {s.number}: {alarm}")
+        self.runlog.step(s, record, alarms)
+
+    def checkpoint_if_due(self, step: int) -> None:
+        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            checkpoint.save(
+                self.ckpt_root,
+                step,
+                self.model,
+                self.opt,
+                {"data_position": step * self.cfg.batch_size, "resumes": self.resumes},
+                self.cfg.keep_checkpoints,
+                self.world,
+            )
+
+    def finish(self) -> dict | None:
+        """On rank 0: the final checkpoint, metrics and event files into the artifact; the run's summary."""
+        if not self.main:
+            return None
+        self.runlog.close()
+        _publish(self.work, self.out, {**self.model_cfg.model_dump(mode="json"), "vocab_size": self.vocab,
+                                       "max_seq_len": self.max_len})
+        records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        summary = summarise(
+            records, self.model, self.model_cfg, self.cfg, vocab=self.vocab, max_len=self.max_len,
+            resumes=self.resumes, resumed_from=self.resumed_from, alarms=self.runlog.alarms,
+        )
+        return {**summary, "device": device.describe(self.dev), "peak_tflops": self.peak}
+
+
+def _publish(work: Path, out: Path, model_config: dict) -> None:
+    """Copy the final checkpoint, metrics and event files from `work` into the artifact `out`."""
+    final = checkpoint.latest(work / "checkpoints")
+    if work != out:
+        shutil.copytree(final, out / "checkpoint")
+        shutil.copy(work / "metrics.jsonl", out / "metrics.jsonl")
+        shutil.copytree(work / "tensorboard", out / "tensorboard")
+        shutil.copy(work / "alarms.jsonl", out / "alarms.jsonl")
+    shutil.copy(final / "model.safetensors", out / "model.safetensors")
+    (out / "model_config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True))
 
 
 def run(
@@ -240,332 +263,6 @@ def run(
 ) -> dict | None:
     """Train and return the run's summary; under torchrun (WORLD_SIZE > 1) every rank calls this, rank 0
     writes the metrics, checkpoints and artifact and returns the summary, the others return None."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    dev = device.resolve(cfg.device)
-    peak = cfg.peak_tflops or device.peak_tflops(dev, cfg.precision)
-    world = parallel.init(cfg.distributed.expert_parallel, dev)
-    main = world is None or world.main
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world.local_size if world else 1)))
-    work = Path(work or out)
-    work.mkdir(parents=True, exist_ok=True)
-    data = Sequences(Path(mix_dir) / "train.arrow")
-    needed = cfg.steps * cfg.batch_size
-    if len(data) < needed:
-        raise ValueError(
-            f"train: the mix holds {len(data)} sequences, {needed} are needed (steps x batch_size)"
-        )
-    vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
-    max_len = max(data.max_len, cfg.seq_len)
-    model = build_model(model_cfg, vocab, max_len, seed)
-    if world is not None:
-        world.shard(model)
-    model.to(dev)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
-    params = model.num_params()
-    micro = cfg.batch_size // cfg.grad_accum
-    local = micro // (world.size if world else 1)  # each rank reads its slice of every micro-batch
-    offset = world.rank * local if world else 0
-    monitor = Monitor(cfg.alarms)
-    band = ladder.Band(ladder_dir, cfg.steps, band_tolerance) if ladder_dir else None
-    recent: deque[float] = deque(maxlen=ladder.SMOOTH)
-    was_outside = False
-    metrics_path = work / "metrics.jsonl"
-    ckpt_root = work / "checkpoints"
-    resumed_from = None
-    start = 0
-    latest = checkpoint.latest(ckpt_root)
-    if latest is not None:
-        state = checkpoint.load(latest, model, opt, world)
-        start = resumed_from = state["step"]
-        if main:
-            log.warning("train: resuming from %s (step %d of %d)", latest, start, cfg.steps)
-        for rec in _truncate_jsonl(metrics_path, start, world):
-            monitor.check(rec["ce"], rec["grad_norm"])
-            recent.append(rec["ce"])
-        resumes = state.get("resumes", []) + [{"from_step": start}]
-    else:
-        if main:
-            metrics_path.write_text("")
-        resumes = []
-    alarms_path = work / "alarms.jsonl"
-    all_alarms = _truncate_jsonl(alarms_path, start, world)
-    tb = SummaryWriter(str(work / "tensorboard"), purge_step=start + 1 if start else None) if main else None
-    name = progress.task_name("train")  # `rung0` for a ladder rung
-    table = live.LiveTable(name, cfg.steps, cfg.log_every, work / "tensorboard") if main else None
-    with (
-        open(metrics_path, "a") if main else open(os.devnull, "w") as log_f,
-        tqdm(
-            total=cfg.steps, initial=start, desc=name, unit="step", mininterval=5, disable=not main
-        ) as bar,
-    ):
-        for step in range(start, cfg.steps):
-            if stop_after is not None and step >= stop_after:
-                raise StopTraining(f"stopped before step {step + 1}")
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.zero_grad(set_to_none=True)
-            ce_sum = lb_sum = z_sum = lz_sum = 0.0
-            per_expert = None
-            dropped = 0
-            first = step * cfg.batch_size
-            seq_len = data.width(first, first + cfg.batch_size) - 1  # checks the step stays in one phase
-            tokens_per_step = cfg.batch_size * seq_len
-            for m in range(cfg.grad_accum):
-                a = first + m * micro + offset
-                rows = data.rows(a, a + local)
-                with _autocast(cfg.precision, dev.type):
-                    batch = device.batch(rows, dev)
-                    ce, auxes, logit_z = lm_loss(model, batch, logit_z=cfg.logit_z_coef > 0)
-                lb = (
-                    torch.stack([a["load_balancing_loss"] for a in auxes]).mean()
-                    if auxes
-                    else ce.new_zeros(())
-                )
-                z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
-                loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
-                (loss / cfg.grad_accum).backward()
-                ce_sum, lb_sum, z_sum, lz_sum = (
-                    ce_sum + ce.item(),
-                    lb_sum + lb.item(),
-                    z_sum + z.item(),
-                    lz_sum + logit_z.item(),
-                )
-                counts = [a["tokens_per_expert"] for a in auxes]
-                per_expert = counts if per_expert is None else [a + b for a, b in zip(per_expert, counts)]
-                dropped += sum(int(a["dropped"]) for a in auxes)
-            if world is None:
-                groups = group_grad_norms(model)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            else:
-                groups, grad_norm, means = _sync(
-                    world, model, cfg.grad_clip, [ce_sum, lb_sum, z_sum, lz_sum, dropped]
-                )
-                ce_sum, lb_sum, z_sum, lz_sum = means[:4]
-                dropped = round(means[4] * world.size)
-            opt.step()
-            dt = time.perf_counter() - t0
-            n = cfg.grad_accum
-            ce_v = ce_sum / n
-            per_expert_l = [c.tolist() for c in per_expert]
-            imbalance = [max(c) / (sum(c) / len(c)) for c in per_expert_l]
-            assignments = sum(sum(c) for c in per_expert_l)
-            tflops = model.flops_per_token(seq_len) * tokens_per_step / dt / 1e12
-            record = {
-                "step": step + 1,
-                "phase": int(data.phase[first]),
-                "seq_len": seq_len,
-                "loss": round(
-                    ce_v
-                    + cfg.load_balance_coef * lb_sum / n
-                    + cfg.router_z_coef * z_sum / n
-                    + cfg.logit_z_coef * lz_sum / n,
-                    5,
-                ),
-                "ce": round(ce_v, 5),
-                "load_balancing_loss": round(lb_sum / n, 5),
-                "router_z_loss": round(z_sum / n, 5),
-                "logit_z_loss": round(lz_sum / n, 5),
-                "grad_norm": round(grad_norm, 5),
-                "grad_norm_groups": groups,
-                "lr": lr,
-                "tokens_per_s": round(tokens_per_step / dt, 1),
-                "tflops": round(tflops, 5),
-                "mfu": round(tflops / peak, 5) if peak else None,
-                "tokens_per_expert": per_expert_l,
-                "load_imbalance": [round(x, 4) for x in imbalance],
-                "token_drop_rate": round(dropped / assignments, 6) if assignments else 0.0,
-            }
-            if world is not None:
-                record["ranks"] = _rank_metrics(world, dt, len(per_expert_l))
-            alarms = monitor.check(ce_v, grad_norm)
-            recent.append(ce_v)
-            if band is not None:
-                record["ladder_band"] = band.at(step + 1)
-                outside = (
-                    band.check(step + 1, sum(recent) / len(recent)) if step >= cfg.warmup_steps else None
-                )
-                record["outside_ladder_band"] = outside is not None
-                if (
-                    outside and not was_outside
-                ):  # alarm when the run leaves the band, not at every step outside
-                    alarms.append(outside)
-                was_outside = outside is not None
-            for alarm in alarms:  # every rank sees the same values, so every rank decides the same
-                all_alarms.append({"step": step + 1, "alarm": alarm})
-                if main:
-                    log.warning("train: step %d alarm %s", step + 1, alarm)
-                    with open(alarms_path, "a") as f:
-                        f.write(json.dumps(all_alarms[-1]) + "\n")
-                if cfg.alarms.stop:
-                    raise TrainingAlarm(f"step {step + 1}: {alarm}")
-            log_f.write(json.dumps(record) + "\n")
-            log_f.flush()
-            if table is not None:
-                table.step(record, alarms)
-            if tb is not None:
-                for key in (
-                    "loss",
-                    "ce",
-                    "load_balancing_loss",
-                    "router_z_loss",
-                    "grad_norm",
-                    "lr",
-                    "tokens_per_s",
-                    "token_drop_rate",
-                ):
-                    tb.add_scalar(f"train/{key}", record[key], step + 1)
-                for i, x in enumerate(imbalance):
-                    tb.add_scalar(f"moe/load_imbalance_layer{i}", x, step + 1)
-            bar.update(1)
-            if (step + 1) % cfg.log_every == 0:
-                bar.set_postfix(loss=f"{ce_v:.3f}", gnorm=f"{grad_norm:.2f}")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                checkpoint.save(
-                    ckpt_root,
-                    step + 1,
-                    model,
-                    opt,
-                    {"data_position": (step + 1) * cfg.batch_size, "resumes": resumes},
-                    cfg.keep_checkpoints,
-                    world,
-                )
-    if not main:
-        return None
-    tb.close()
-    summary = _finish(model, model_cfg, cfg, work, out, vocab, params, resumes, all_alarms, resumed_from,
-                      max_len)
-    return {**summary, "device": device.describe(dev), "peak_tflops": peak}
-
-
-def _rank_metrics(world: parallel.World, step_s: float, moe_layers: int) -> list[dict]:
-    """Every rank's step time, all-to-all time and tokens its experts processed per MoE layer.
-
-    Gathered on all ranks.
-    """
-    all_to_all_s, received = world.take_timer()
-    per_layer = (
-        [torch.stack(received[i::moe_layers]).sum(0).tolist() for i in range(moe_layers)] if received else []
-    )
-    return world.gather_object(
-        {
-            "rank": world.rank,
-            "step_s": round(step_s, 5),
-            "all_to_all_s": round(all_to_all_s, 5),
-            "expert_tokens": per_layer,
-        }
-    )
-
-
-def _distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
-    """Per rank over the run: share of step time in the token all-to-all, tokens its experts processed."""
-    steps = [r["ranks"] for r in records if "ranks" in r]
-    if not steps:
-        return None
-    ranks = []
-    for i in range(len(steps[0])):
-        step_s = sum(s[i]["step_s"] for s in steps)
-        ranks.append(
-            {
-                "rank": i,
-                "all_to_all_share": round(sum(s[i]["all_to_all_s"] for s in steps) / step_s, 4),
-                "expert_tokens": [
-                    [sum(col) for col in zip(*(s[i]["expert_tokens"][layer] for s in steps))]
-                    for layer in range(len(steps[0][i]["expert_tokens"]))
-                ],
-                "step_s": round(step_s, 2),
-            }
-        )
-    return {
-        "world_size": len(ranks),
-        "nnodes": cfg.distributed.nnodes,
-        "expert_parallel": cfg.distributed.expert_parallel,
-        "ranks": ranks,
-    }
-
-
-def _finish(
-    model,
-    model_cfg,
-    cfg,
-    work: Path,
-    out: Path,
-    vocab: int,
-    params: dict,
-    resumes: list,
-    alarms: list,
-    resumed_from,
-    max_len: int,
-) -> dict:
-    """Copy the final checkpoint, metrics and event files into the artifact; summarise the run."""
-    final = checkpoint.latest(work / "checkpoints")
-    if work != out:
-        shutil.copytree(final, out / "checkpoint")
-        shutil.copy(work / "metrics.jsonl", out / "metrics.jsonl")
-        shutil.copytree(work / "tensorboard", out / "tensorboard")
-        shutil.copy(work / "alarms.jsonl", out / "alarms.jsonl")
-    shutil.copy(final / "model.safetensors", out / "model.safetensors")
-    (out / "model_config.json").write_text(
-        json.dumps(
-            {**model_cfg.model_dump(mode="json"), "vocab_size": vocab, "max_seq_len": max_len},
-            indent=2,
-            sort_keys=True,
-        )
-    )
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["ce"] for r in records]
-    k = min(10, len(losses))
-    head, tail = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
-    last = records[-1]
-    tps = [r["tokens_per_s"] for r in records]
-    step_tokens = [cfg.batch_size * r.get("seq_len", cfg.seq_len) for r in records]
-    tokens = sum(step_tokens)
-    flops = sum(
-        model.flops_per_token(r.get("seq_len", cfg.seq_len)) * n for r, n in zip(records, step_tokens)
-    )
-    phases = [
-        {"phase": r.get("phase", 0), "start_step": r["step"] - 1, "seq_len": r.get("seq_len", cfg.seq_len)}
-        for i, r in enumerate(records)
-        if i == 0 or r.get("phase") != records[i - 1].get("phase")
-    ]
-    return {
-        "steps": cfg.steps,
-        "tokens": tokens,
-        "batch_size": cfg.batch_size,
-        "phases": phases,
-        "seq_len": max_len,
-        "params_total": params["total"],
-        "params_active": params["active"],
-        "d_model": model_cfg.d_model,
-        "n_layers": model_cfg.n_layers,
-        "flops_per_token": model.flops_per_token(max_len),
-        "flops": flops,
-        "tail_loss": round(ladder.tail_loss(losses), 4),
-        "initial_loss": round(head, 4),
-        "final_loss": round(tail, 4),
-        "loss_fell": tail < head,
-        "tokens_per_s": round(float(np.median(tps)), 1),
-        "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
-        "mfu": last["mfu"],
-        "peak_grad_norm": max(r["grad_norm"] for r in records),
-        "final_load_imbalance": last["load_imbalance"],
-        "final_tokens_per_expert": last["tokens_per_expert"],
-        "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
-        "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
-        "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
-        "vocab_size": vocab,
-        "resumes": resumes,
-        "resumed_from_step": resumed_from,
-        "alarms": alarms,
-        "schedule": cfg.schedule,
-        "precision": cfg.precision,
-        "distributed": _distributed_summary(cfg, records),
-    }
+    trainer = Trainer(model_cfg, cfg, seed=seed, mix_dir=mix_dir, tokenizer_dir=tokenizer_dir, out=out,
+                      work=work, ladder_dir=ladder_dir, band_tolerance=band_tolerance)
+    return trainer.fit(stop_after)

@@ -27,7 +27,8 @@ from helpers import write_config, write_training_mix  # noqa: E402
 from moeflow import configs  # noqa: E402
 from moeflow.configs import EvalConfig, ModelConfig, TrainConfig  # noqa: E402
 from moeflow.moe import evaluate, megablocks_backend, train  # noqa: E402
-from moeflow.moe.layer import MoE, build_moe  # noqa: E402
+from moeflow.moe.backend import build_moe  # noqa: E402
+from moeflow.moe.layer import MoE  # noqa: E402
 from moeflow.moe.losses import router_z_loss  # noqa: E402
 from moeflow.moe.model import Transformer  # noqa: E402
 from moeflow.tokenize import mix  # noqa: E402
@@ -189,7 +190,7 @@ warnings.simplefilter("ignore")
 import megablocks_shim as shim
 {setup}
 from moeflow.configs import ModelConfig
-from moeflow.moe.layer import build_moe
+from moeflow.moe.backend import build_moe
 try:
     with shim.fake_cuda():
         build_moe(ModelConfig(d_model=16, n_heads=2, num_experts=8, expert_hidden=32, backend="megablocks"))

@@ -129,7 +129,7 @@ def _phase(name, start, steps, seq_len, weights, index=0):
 
 
 def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path, monkeypatch):
-    from moeflow.moe.train import Sequences
+    from moeflow.moe.data import Sequences
 
     tok_dir, store_dir, _ = built
     phases = [

@@ -1,0 +1,34 @@
+"""The optimizer and its learning rate at each step: AdamW, linear warmup, then cosine decay or
+warmup-stable-decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeflow.configs import TrainConfig
+
+
+def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only: decaying norm gains would pull them towards zero, not towards 1."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "wsd":
+        decay_start = cfg.steps - max(1, round(cfg.decay_fraction * cfg.steps))
+        if step < decay_start:
+            return cfg.lr
+        return cfg.lr - (cfg.lr - floor) * (step - decay_start + 1) / (cfg.steps - decay_start)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
