@@ -245,7 +245,7 @@ EVAL_ITEMS = "eval_items.parquet"
 
 
 class EvalItems:
-    """The items a benchmark's file lets `evaluate` score (`moe.formats`), as log-likelihood requests."""
+    """The items a benchmark's file lets `evaluate` score (`dedup.formats`), as log-likelihood requests."""
 
     def __init__(self):
         self.rows: dict[str, list] = {k: [] for k in ("benchmark", "task", "item_id", "contexts",

@@ -1,6 +1,6 @@
 """Evaluation: held-out cross-entropy per domain on the mix's held-out sequences, and benchmark scores.
 
-Benchmark requests (`moe.formats`) are scored as lm-evaluation-harness's causal models score them:
+Benchmark requests (`dedup.formats`) are scored as lm-evaluation-harness's causal models score them:
 trailing spaces of the context move to the continuation, the two are encoded together and split at the
 context's length, an input longer than the model's window keeps its right end, and a continuation's
 log-likelihood is the sum over its tokens (greedy when each is the argmax); `moe.scores` turns them into
