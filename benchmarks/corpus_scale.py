@@ -122,17 +122,16 @@ def _substitution(base: list[dict], v: int) -> dict[str, str]:
 
 
 def base_docs(n: int, work: Path) -> list[dict]:
-    from moeflow import configs, ingest
+    from moeflow import configs
     from moeflow.core.documents import iter_docs
     from moeflow.sources import fetch
     from moeflow.sources.stage import packages_for
+    from moeflow.tasks.runner import materialize
 
-    cfg = configs.load("tiny")
+    cfg = configs.load("tiny", store=str(work / "base-store"))
     for name in packages_for(cfg):  # a no-op when the data cache holds them
         fetch.fetch(name)
-    out = work / "ingest"
-    out.mkdir()
-    ingest.run(ingest.resolve_sources(cfg), out)
+    out = materialize("ingest", cfg, {}).dir
     docs = [d for d in iter_docs(out) if len(d["text"].split()) >= 100]
     random.Random(0).shuffle(docs)
     return docs[:n]

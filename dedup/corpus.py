@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -358,23 +357,3 @@ def shard_part(cfg, inputs, prior, out, part):
 
 PHASES = (("sign", sign_part), ("pairs", pairs_part), ("clusters", clusters_part), ("shard", shard_part))
 
-
-def run(cfg: DedupConfig, docs_dir: Path, out: Path, shards: int = 1) -> dict:
-    """The whole stage in this process, phase after phase (tests and benchmarks; the flow runs the phases
-    as tasks)."""
-
-    class _Docs:
-        dir = Path(docs_dir)
-
-    counts = {"sign": shards, "pairs": partitions(cfg, docs_dir), "clusters": 1, "shard": shards}
-    prior: dict[str, list[Path]] = {}
-    with tempfile.TemporaryDirectory(dir=Path(out).parent) as work:
-        for name, body in PHASES:
-            prior[name] = []
-            for i in range(counts[name]):
-                d = Path(work) / f"{name}-{i}"
-                d.mkdir()
-                stats = body(cfg, {"docs": _Docs}, dict(prior), d, (i, counts[name]))
-                (d / "manifest.json").write_text(json.dumps({"stats": stats}))
-                prior[name].append(d)
-        return merge(cfg, prior, out)

@@ -19,7 +19,7 @@ from moeflow.ingest.resolve import (
     resolve_sources,
     resolve_sources_list,
 )
-from moeflow.ingest.stage import merge, read, run, shard
+from moeflow.ingest.stage import merge, read, shard
 
 __all__ = [
     "ResolvedSource",
@@ -32,7 +32,6 @@ __all__ = [
     "resolve_source",
     "resolve_sources",
     "resolve_sources_list",
-    "run",
     "shard",
     "units",
 ]

@@ -1,11 +1,11 @@
 """The `ingest` stage body: each shard reads its units into documents and a ledger (`shard`, `read`), and
-`merge` joins the shards in rank order, resolving ids read twice; `run` does it all in one process."""
+`merge` joins the shards in rank order, resolving ids read twice. `tasks.runner` runs them, as it runs every
+sharded stage."""
 
 from __future__ import annotations
 
 import json
 import logging
-import tempfile
 from pathlib import Path
 
 import xxhash
@@ -146,15 +146,3 @@ def _unkeep(stats: dict, doc: dict) -> None:
     stats["quarantined"] += 1
     stats["bytes"] -= len(doc["text"].encode("utf-8"))
 
-
-def run(sources: list[ResolvedSource], out: Path, shards: int = 1) -> dict:
-    """The whole stage in one process (tests, benchmarks): every shard, then `merge`, into `out`."""
-    plan, parts = units(sources), []
-    with tempfile.TemporaryDirectory(dir=out, prefix=".shards") as tmp:
-        for rank in range(shards):
-            part = Path(tmp) / str(rank)
-            part.mkdir()
-            stats = read(sources, assign(plan, (rank, shards)), part)
-            (part / "manifest.json").write_text(json.dumps({"stats": stats}))
-            parts.append(part)
-        return merge(None, {"shard": parts}, out)

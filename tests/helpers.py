@@ -1,8 +1,12 @@
-"""Test helpers: writing config variants and a small learnable training mix."""
+"""Test helpers: writing config variants, a small learnable training mix, and stages run through the runner
+(`tasks.runner.materialize`) in a throwaway store."""
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +112,70 @@ def manifest_of(entry: dict) -> dict:
         url, stage, _, _ = entry["artifact"].rsplit("/", 3)
         return store_for(url).get(stage, entry["hash"]).to_dict()
     return json.loads((Path(entry["artifact"]) / "manifest.json").read_text())
+
+
+@functools.cache
+def _smoke() -> configs.RunConfig:
+    return configs.load("smoke")  # once: the fuzz tests run a stage hundreds of times
+
+
+def stage_config(store: Path, shards: int = 1, **fields) -> configs.RunConfig:
+    """The smoke preset with its store at `store`, `execution.shards` = `shards` and the top-level `fields`
+    replaced as they are (not validated against the rest: `sources` need not match the preset's mix)."""
+    cfg = _smoke()
+    execution = cfg.execution.model_copy(update={"shards": shards})
+    return cfg.model_copy(update={"store": str(store), "execution": execution, **fields})
+
+
+def docs_artifact(store: Path, folder: Path):
+    """`folder`'s files (docs.parquet, and a ledger if there is one) sealed into the store at `store` as a
+    `filter` artifact recording its documents as its output, as an input for a stage that takes `docs`."""
+    from moeflow.core.documents import count_docs
+    from moeflow.store.format import file_xxh3
+    from moeflow.store.local import Store
+
+    s = Store(store)
+    tmp = s.staging("filter")
+    for f in sorted(Path(folder).iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, tmp / f.name)
+    n = count_docs(tmp)
+    key = file_xxh3(tmp / "docs.parquet")
+    stats = {"documents_in": n, "documents_out": n, "fates": {"kept": n}}
+    lineage = {"stage": "filter", "config": {}, "inputs": {}, "started_at": "t", "finished_at": "t"}
+    return s.commit("filter", key, tmp, stats, lineage)
+
+
+def _fresh_store(out: Path) -> Path:
+    """A new, empty store beside `out`: the joined artifact's key leaves the part counts out, so a store
+    that held the stage already would hand back the artifact of another shard count."""
+    out = Path(out)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}-store-", dir=out.parent))
+
+
+def _into(manifest, out: Path) -> dict:
+    """The artifact's files copied into `out`; its stats."""
+    for rel in manifest.files:
+        (Path(out) / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(manifest.dir / rel, Path(out) / rel)
+    return manifest.stats
+
+
+def run_ingest(sources, out: Path, shards: int = 1) -> dict:
+    """The `ingest` stage of `sources` (SourceConfigs) run by `tasks.runner.materialize` in `shards` record
+    shards, in a fresh store beside `out`; its files copied into `out` (which exists); returns its stats."""
+    from moeflow.tasks.runner import materialize
+
+    cfg = stage_config(_fresh_store(out), shards, sources=tuple(sources))
+    return _into(materialize("ingest", cfg, {}), out)
+
+
+def run_dedup(dedup: configs.DedupConfig, docs: Path, out: Path, shards: int = 1) -> dict:
+    """The `dedup` stage with config `dedup` of the documents in folder `docs` run by `tasks.runner.materialize`
+    in `shards` record shards (the `pairs` phase: `dedup.partitions`), in a fresh store beside `out`; its files
+    copied into `out` (which exists); returns its stats."""
+    from moeflow.tasks.runner import materialize
+
+    store = _fresh_store(out)
+    cfg = stage_config(store, shards, dedup=dedup)
+    return _into(materialize("dedup", cfg, {"docs": docs_artifact(store, docs)}), out)

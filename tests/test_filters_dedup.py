@@ -4,6 +4,7 @@ import json
 
 from datatrove.data import Document
 
+from helpers import run_dedup
 from moeflow import filters
 from moeflow.configs import DedupConfig, FilterConfig
 from moeflow.core.documents import DocWriter, iter_docs
@@ -139,7 +140,7 @@ def test_exact_dedup_normalises_and_keeps_smallest_id(tmp_path):
     src = _write(tmp_path / "in", [("b", PROSE), ("a", PROSE.upper().replace(" ", "  ")), ("c", PROSE + "!")])
     out = tmp_path / "out"
     out.mkdir()
-    stats = corpus.run(DedupConfig(minhash=False), src, out)
+    stats = run_dedup(DedupConfig(minhash=False), src, out)
     assert [d["id"] for d in iter_docs(out)] == ["a", "c"]
     rows = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
     assert rows["b"]["fate"] == "duplicate" and rows["b"]["detail"] == "a"
@@ -164,7 +165,7 @@ def test_minhash_joins_near_duplicates_with_their_similarity(tmp_path):
     )
     out = tmp_path / "out"
     out.mkdir()
-    stats = corpus.run(DedupConfig(), src, out)
+    stats = run_dedup(DedupConfig(), src, out)
     rows = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
     assert (rows["y"]["fate"], rows["y"]["reason"], rows["y"]["detail"]) == ("duplicate", "exact", "w")
     assert (rows["x"]["fate"], rows["x"]["reason"]) == ("duplicate", "minhash")
@@ -259,7 +260,7 @@ def test_dedup_output_is_the_same_for_any_shards_and_partitions(tmp_path, monkey
     for shards, partitions in ((1, 1), (3, 4), (7, 2), (2, None)):
         out = tmp_path / f"out-{shards}-{partitions}"
         out.mkdir()
-        stats = corpus.run(DedupConfig(partitions=partitions), src, out, shards=shards)
+        stats = run_dedup(DedupConfig(partitions=partitions), src, out, shards=shards)
         outputs.append([(out / name).read_bytes() for name in ("docs.parquet", "ledger.parquet")])
         assert stats["shards"] == shards and stats["partitions"] == (partitions or -(-len(docs) // 12))
     assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
@@ -296,6 +297,6 @@ def test_dedup_with_more_shards_than_documents(tmp_path):
     for shards in (1, 5):  # three of the five record shards are empty
         out = tmp_path / f"out{shards}"
         out.mkdir()
-        stats = corpus.run(DedupConfig(partitions=3), src, out, shards=shards)
+        stats = run_dedup(DedupConfig(partitions=3), src, out, shards=shards)
         outs.append([(out / n).read_bytes() for n in ("docs.parquet", "ledger.parquet")])
     assert outs[0] == outs[1] and stats["documents_in"] == 3 and stats["fates"]["duplicate:exact"] == 1

@@ -27,9 +27,11 @@ def _src(**kw) -> SourceConfig:
 
 
 def _ingest(tmp_path: Path, *sources: SourceConfig, shards: int = 1, name: str = "out") -> dict:
+    from helpers import run_ingest
+
     out = tmp_path / name
     out.mkdir()
-    return ingest.run(ingest.resolve_sources_list(list(sources)), out, shards=shards)
+    return run_ingest(sources, out, shards=shards)
 
 
 def test_saved_datasets_and_files_by_builder(tmp_path):

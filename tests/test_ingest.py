@@ -8,12 +8,14 @@ import json
 import pytest
 import zstandard
 
+from helpers import run_ingest
 from moeflow import ingest
 from moeflow.configs import SourceConfig
 from moeflow.core.documents import iter_docs
 from moeflow.core.ledger import read as read_ledger
 from moeflow.ingest import lines as ingest_lines
 from moeflow.ingest import plan as ingest_plan
+from moeflow.ingest import stage as ingest_stage
 
 GOOD = "a perfectly ordinary document " * 3
 
@@ -43,7 +45,7 @@ def test_bad_records_are_quarantined_with_reasons(tmp_path):
     (tmp_path / "in" / "part-1.jsonl.zst").write_bytes(good[: len(good) // 2])  # truncated archive
     out = tmp_path / "out"
     out.mkdir()
-    stats = ingest.run(ingest.resolve_sources_list([_source(tmp_path, id_field="id")]), out)
+    stats = run_ingest([_source(tmp_path, id_field="id")], out)
 
     fates = {r["doc_id"]: (r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()}
     assert fates["user/a"] == ("kept", "")
@@ -74,24 +76,29 @@ def test_text_files_become_one_document_each(tmp_path):
     src = SourceConfig(name="t", path=str(tmp_path / "in" / "*.txt"), domain="x", license="cc0")
     out = tmp_path / "out"
     out.mkdir()
-    stats = ingest.run(ingest.resolve_sources_list([src]), out)
+    stats = run_ingest([src], out)
     assert [d["id"] for d in iter_docs(out)] == ["t/one.txt"]
     assert stats["fates"] == {"kept": 1, "quarantined": 1, "quarantined:invalid_utf8": 1}
 
 
-def test_unreadable_files_are_quarantined_naming_the_error(tmp_path):
+def test_unreadable_files_are_quarantined_naming_the_error(tmp_path, monkeypatch):
     import os
 
     (tmp_path / "in").mkdir()
     for name in ("a", "gone", "locked"):
         (tmp_path / "in" / f"{name}.jsonl").write_text(json.dumps({"id": name, "text": GOOD}) + "\n")
-    resolved = ingest.resolve_sources_list([_source(tmp_path, id_field="id")])
-    (tmp_path / "in" / "gone.jsonl").unlink()  # vanished between resolution and reading
     locked = tmp_path / "in" / "locked.jsonl"
-    locked.chmod(0)  # unreadable, except to root (CI runs as root: then this one is read)
+
+    def resolve_then_lose(sources):  # the shard resolves its sources, then the files change under it
+        resolved = ingest.resolve_sources_list(sources)
+        (tmp_path / "in" / "gone.jsonl").unlink()  # vanished between resolution and reading
+        locked.chmod(0)  # unreadable, except to root (CI runs as root: then this one is read)
+        return resolved
+
+    monkeypatch.setattr(ingest_stage, "resolve_sources_list", resolve_then_lose)
     out = tmp_path / "out"
     out.mkdir()
-    stats = ingest.run(resolved, out)
+    stats = run_ingest([_source(tmp_path, id_field="id")], out)
     fates = {r["doc_id"]: (r["fate"], r["reason"], r["detail"]) for r in read_ledger(out).to_pylist()}
     assert fates["user/gone.jsonl"][:2] == ("quarantined", "unreadable_file")
     assert "FileNotFoundError" in fates["user/gone.jsonl"][2] and "gone.jsonl" in fates["user/gone.jsonl"][2]
@@ -108,6 +115,7 @@ def test_ingest_streams_memory_does_not_grow_with_the_file(tmp_path):
     whole, it would be 200 MB more): records are read in 1 MB chunks and written in row groups."""
     import subprocess
     import sys
+    from pathlib import Path
 
     line = json.dumps({"text": "river stone light north " * 400}) + "\n"  # ~10 KB per record
     peaks = []
@@ -119,15 +127,17 @@ def test_ingest_streams_memory_does_not_grow_with_the_file(tmp_path):
                 f.write(line)
         # VmHWM: the child's own peak (ru_maxrss would carry the forking parent's over exec)
         code = (
-            "import re, sys; from pathlib import Path; from moeflow import ingest; "
+            "import re, sys; from pathlib import Path; sys.path.insert(0, sys.argv[3]); "
+            "from helpers import run_ingest; "
             "from moeflow.configs import SourceConfig; out = Path(sys.argv[2]); out.mkdir(); "
-            "s = ingest.run(ingest.resolve_sources_list([SourceConfig(name='big', path=sys.argv[1], "
-            "format='jsonl', domain='web', license='cc0')]), out); "
+            "s = run_ingest([SourceConfig(name='big', path=sys.argv[1], "
+            "format='jsonl', domain='web', license='cc0')], out); "
             "hwm = re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text()).group(1); "
             "print(s['documents_out'], int(hwm) // 1024)"
         )
         res = subprocess.run(
-            [sys.executable, "-c", code, str(src / "*.jsonl"), str(tmp_path / f"out{mb}")],
+            [sys.executable, "-c", code, str(src / "*.jsonl"), str(tmp_path / f"out{mb}"),
+             str(Path(__file__).parent)],  # the child imports `helpers` from the tests folder
             capture_output=True,
             text=True,
             check=True,
@@ -156,7 +166,7 @@ def _ledger(tmp_path, files: dict[str, bytes], **kw) -> tuple[list[tuple], dict[
         (tmp_path / "in" / name).write_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
-    stats = ingest.run(ingest.resolve_sources_list([_source(tmp_path, **kw)]), out)
+    stats = run_ingest([_source(tmp_path, **kw)], out)
     table = read_ledger(out).to_pylist()
     fates = sum(n for k, n in stats["fates"].items() if ":" not in k)
     assert stats["documents_in"] == len(table) == fates  # conservation: inputs = sum of fates
@@ -278,7 +288,7 @@ def test_parquet_rows_left_unread_are_counted_from_the_footer(tmp_path):
     (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1 not really")
     out = tmp_path / "out"
     out.mkdir()
-    stats = ingest.run(ingest.resolve_sources_list([_parquet_source(tmp_path)]), out)
+    stats = run_ingest([_parquet_source(tmp_path)], out)
     rows = [(r["doc_id"], r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()]
     assert rows[:-1] == [(f"p/a.parquet#L{n}", "kept", "") for n in (1, 2, 3)] + [
         (f"p/a.parquet#L{n}", "quarantined", "unreadable_file") for n in (4, 5, 6)
@@ -306,7 +316,7 @@ def _corrupt_parquet(path, rows: int, group: int = 3, bad: int = 1, field: str =
     path.write_bytes(bytes(data))
 
 
-def _mixed_corpus(tmp_path) -> list:
+def _mixed_corpus(tmp_path) -> list[SourceConfig]:
     """Sources of every format with the cases that make sharding hard: ids repeated across files (so across
     shards), a capped source, a parquet file of many row groups with a broken one, cut and empty files."""
     d = tmp_path / "in"
@@ -327,13 +337,13 @@ def _mixed_corpus(tmp_path) -> list:
         (d / f"plain-{i}.txt").write_text(f"{GOOD} plain {i}" if i != 1 else "  ")
     _corrupt_parquet(d / "rows.parquet", rows=40, group=4, bad=3)
     _corrupt_parquet(d / "capped.parquet", rows=10, group=2, bad=4)
-    return ingest.resolve_sources_list([
+    return [
         _source(tmp_path, name="keyed", pattern="keyed-*", id_field="id"),
         SourceConfig(name="t", path=str(d / "plain-*.txt"), domain="x", license="cc0"),
         _parquet_source(tmp_path, "rows.parquet", id_field="id"),
         SourceConfig(name="c", path=str(d / "capped.parquet"), format="parquet", domain="x", license="cc0",
                      max_docs=7),
-    ])
+    ]
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 8, 40])
@@ -341,15 +351,15 @@ def test_sharded_ingest_is_byte_identical_to_one_process(tmp_path, shards, monke
     """Files, parquet row groups and byte spans of plain jsonl files (37 bytes here, so spans start inside
     lines) spread over shards, joined in order: the same documents, ledger and stats (repeated ids resolved
     across shards, row groups read past a broken one) as one process reading every file whole."""
-    resolved = _mixed_corpus(tmp_path)
+    sources = _mixed_corpus(tmp_path)
     outs = {}
     for n in (1, shards):
         if n == shards:
             monkeypatch.setattr(ingest_plan, "SPAN_BYTES", 37)
-            assert sum(u.span is not None for u in ingest.units(resolved)) > 40
+            assert sum(u.span is not None for u in ingest.units(ingest.resolve_sources_list(sources))) > 40
         outs[n] = tmp_path / f"out{n}"
         outs[n].mkdir(exist_ok=True)
-        stats = ingest.run(resolved, outs[n], shards=n)
+        stats = run_ingest(sources, outs[n], shards=n)
         assert stats.pop("shards") == n
         outs[n] = (stats, *((outs[n] / f).read_bytes() for f in ("docs.parquet", "ledger.parquet")))
     assert outs[shards] == outs[1]
