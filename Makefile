@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run ui test lint browser chaos fuzz bench gpu-check
+.PHONY: setup run ui test check lint browser chaos fuzz bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ ui: setup
 test: setup browser lint
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest
+
+# the slower tier: several runs, clusters (Ray, Dask) or training ranks at once; `.ci/run` runs it after `make test`
+check: setup
+	$(BIN)/moeflow fetch smoke
+	$(BIN)/python -m pytest -m check
 
 # ruff, then the layers contract (pyproject.toml). import-linter reads the package from a folder holding a link
 # `moeflow` to this checkout: tokenize/ is a namespace folder, which an editable install's finder does not list

@@ -87,6 +87,7 @@ def reference(prefect_server, smoke_data, tmp_path_factory):
     return store
 
 
+@pytest.mark.check
 def test_two_concurrent_runs_build_each_artifact_once(reference, tmp_path):
     store = tmp_path / "store"
     config = write_config(tmp_path / "smoke.yaml", store=str(store))
@@ -122,6 +123,7 @@ def _comparable(store: Path) -> dict:
     }
 
 
+@pytest.mark.check
 def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
     store = tmp_path / "store"
     _finish(_start(write_config(tmp_path / "smoke.yaml", store=str(store))))
@@ -181,11 +183,12 @@ def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, t
             assert summary[s]["reused"], s
 
 
-def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(reference, tmp_path):
-    """Each artifact of the reference run, copied twice.
+def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(smoke_run, tmp_path):
+    """Each artifact of the session's smoke run, copied twice.
 
     One file gets a flipped byte, another is cut in half.
     """
+    reference = Path(smoke_run[1]["stages"]["ingest"]["artifact"]).parent.parent
     import shutil
 
     from moeflow.store.format import ArtifactError
@@ -220,7 +223,7 @@ def _published(store: Path, stage: str) -> list[str]:
             if not p.name.endswith(".lock")]
 
 
-def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tmp_path):
+def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(prefect_server, smoke_data, tmp_path):
     """RLIMIT_FSIZE stands in for a full disk (no mount needed): writes past 64 KB fail with EFBIG."""
     import resource
 
@@ -238,7 +241,8 @@ def test_a_full_disk_fails_the_stage_clearly_and_publishes_nothing(reference, tm
     assert not _published(store, "ingest")  # no artifact, no staging
 
 
-def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_completes(reference, tmp_path):
+def test_a_full_tmpfs_fails_the_stage_publishes_nothing_and_a_rerun_with_room_completes(prefect_server, smoke_data,
+                                                                                          tmp_path):
     """A real full disk: the store on a 256 KB tmpfs (mounting needs root, as in CI). After the failure the
     tmpfs is grown: the rerun reuses the stage that finished and builds the rest."""
     store = tmp_path / "store"

@@ -165,6 +165,7 @@ def test_until_stops_after_the_stage(cold):
     assert _whole(out["stages"]) == ["sources", "ingest", "filter", "dedup"] and out["card"] is None
 
 
+@pytest.mark.check
 def test_train_stage_launches_torchrun_and_matches_the_single_process_run(cold, tmp_path):
     path, first = cold
     two = write_config(

@@ -57,6 +57,7 @@ def test_gc_keeps_what_kept_runs_use_and_their_upstream(tmp_path):
         gc.parse_age("7 days")
 
 
+@pytest.mark.check
 def test_gc_waits_for_a_run_and_loses_nothing_it_needs(prefect_server, smoke_data, tmp_path):
     """A real smoke run (to `decontaminate`) in its own process, and gc started while it builds: gc waits
     for the run's store lock, then removes the planted garbage only; every artifact the run recorded

@@ -227,6 +227,7 @@ def on_s3(s3, prefect_server, smoke_data, tmp_path_factory):
     return url, summaries, store_for(str(folder / "store")).runs()[-1]
 
 
+@pytest.mark.check
 def test_two_concurrent_runs_on_s3_build_each_artifact_once_equal_to_the_local_run(on_s3):
     url, summaries, local_run = on_s3
     store = store_for(url)
@@ -247,6 +248,7 @@ def test_two_concurrent_runs_on_s3_build_each_artifact_once_equal_to_the_local_r
         assert train[0][name] == train[1][name]
 
 
+@pytest.mark.check
 def test_nothing_secret_reaches_the_object_store(on_s3):
     url, summaries, _ = on_s3
     store = store_for(url)
@@ -259,6 +261,7 @@ def test_nothing_secret_reaches_the_object_store(on_s3):
     assert summaries[-1]["store"] == url
 
 
+@pytest.mark.check
 def test_a_corrupted_object_is_caught_naming_the_file_and_the_rerun(on_s3, tmp_path, monkeypatch):
     url, summaries, _ = on_s3
     stages = summaries[-1]["stages"]

@@ -111,6 +111,7 @@ def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data
     _assert_same_run(single[0], tmp_path)
 
 
+@pytest.mark.check
 def test_two_nodes_started_as_the_readme_says_give_the_single_process_run(data, single, tmp_path):
     """nnodes 2 on one machine: node 0 is the train stage's launch; node 1 runs the command it logs, with
     --node-rank=1 (the spec it names is in the shared work folder)."""
@@ -150,6 +151,7 @@ def test_two_nodes_started_as_the_readme_says_give_the_single_process_run(data, 
     assert d["world_size"] == 2 and d["nnodes"] == 2
 
 
+@pytest.mark.check
 def test_an_interrupted_torchrun_resumes_from_its_last_checkpoint(data, tmp_path):
     first = _torchrun(data, tmp_path / "a")
     work = tmp_path / "a" / "work"

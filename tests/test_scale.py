@@ -24,6 +24,8 @@ PARTS = tuple(f"{stage}{'' if phase == 'shard' else '.' + phase}[{r}/{n}]"
               for stage, phases in PHASES.items() for phase, n in phases.items() for r in range(n))
 DATA_STAGES = (*WHOLE, *PARTS)
 
+pytestmark = pytest.mark.check  # clusters of several processes: the slower `make check` tier
+
 
 @pytest.fixture(scope="module")
 def ray_cluster(s3, tmp_path_factory):
