@@ -17,6 +17,7 @@ from huggingface_hub import DatasetCard, DatasetCardData
 from moeflow.card.graph import collect, single
 from moeflow.card.render import render as render_template
 from moeflow.card.sections import dedup_clusters, filter_table, stages_table, table
+from moeflow.core.documents import iter_docs
 
 DATASET_CARD = "dataset_card.md"
 TEMPLATE = "dataset_card.md.j2"
@@ -131,8 +132,7 @@ def _run_table(graph: dict[str, dict]) -> str:
 def export(artifact_dir: Path, out: Path) -> dict:
     """Write the documents of a data stage's artifact as a saved dataset (`COLUMNS`) into `out`, with its
     card as `out/README.md`; `out` must not exist. Streams: one record batch at a time."""
-    import datasets
-
+    import datasets  # ~1 s to import: only `moeflow export` needs it, not every card
 
     artifact_dir, out = Path(artifact_dir).resolve(), Path(out)
     graph = collect([artifact_dir])
@@ -156,8 +156,6 @@ def export(artifact_dir: Path, out: Path) -> dict:
 
 
 def _rows(folder: str, licenses: dict[str, str]):
-    from moeflow.core.documents import iter_docs
-
     for doc in iter_docs(Path(folder)):
         yield {"id": doc["id"], "text": doc["text"], "source": doc["source"], "domain": doc["domain"],
                "license": licenses[doc["source"]]}

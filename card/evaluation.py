@@ -8,6 +8,7 @@ from huggingface_hub import EvalResult
 
 from moeflow.card.sections import table
 from moeflow.core import ledger
+from moeflow.moe import scores as metrics
 from moeflow.store.url import ensure
 
 
@@ -41,8 +42,6 @@ def results(g: dict[str, dict]) -> list[EvalResult]:
 def _with_clean_splits(ev: dict, decon: dict) -> dict:
     """Each task's scores, with its score on the clean items where the decontamination upstream of the
     model found sampled items in training documents (from its ledger and evaluate's per-item records)."""
-    from moeflow.moe import scores as metrics
-
     matched = metrics.matched_items(ensure(Path(decon["_dir"]), ledger.LEDGER).parent)
     items = metrics.read_items(Path(ev["_dir"]))
     return {task: {**r, **(metrics.clean_split(items.get(task, []), matched) or {})}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.context import FlowRunContext
+
 from moeflow.card.dataset import DATASET_CARD
 from moeflow.card.generate import generate
 from moeflow.card.graph import collect
@@ -20,9 +23,6 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
 
 def _publish(out: Path, roots: list[Path]) -> None:
     """Put the card and the per-stage figures on the flow run as Prefect artifacts (visible in the UI)."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-    from prefect.context import FlowRunContext
-
     if FlowRunContext.get() is None:
         return
     create_markdown_artifact(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
+
+import markdown
 
 from moeflow.card.graph import artifact_name, last_run, single, upstream
 from moeflow.card.plots import PLOTS, WATERFALL, waterfall
@@ -153,10 +156,6 @@ def dag_svg(graph: dict[str, dict]) -> str:
 
 def render_html(card_md: str, report_md: str, plots_dir: Path) -> str:
     """One self-contained HTML page (card, then report); plots inlined as data URIs, nothing fetched."""
-    import base64
-
-    import markdown
-
     body = card_md.split("---", 2)[2] if card_md.startswith("---") else card_md
     for name in PLOTS:
         data = base64.b64encode((plots_dir / name).read_bytes()).decode()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import os
 
+from loguru import logger as loguru_logger
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
+from prefect.logging.handlers import APILogHandler
+
 _ROUTED = False
 
 
 def _sink(message) -> None:
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
     record = message.record
     try:
         logger = get_run_logger()
@@ -28,11 +31,17 @@ def route_loguru(level: str = "INFO") -> None:
     global _ROUTED
     if _ROUTED:
         return
-    from loguru import logger
-
-    logger.remove()
-    logger.add(_sink, level=level, format="{message}")
+    loguru_logger.remove()
+    loguru_logger.add(_sink, level=level, format="{message}")
     _ROUTED = True
+
+
+class InRuns(APILogHandler):
+    """Prefect's API handler, silent outside a flow or task run (a later `moeflow explain`, say)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
+            super().emit(record)
 
 
 EXTRA = "PREFECT_LOGGING_EXTRA_LOGGERS"
@@ -41,17 +50,6 @@ EXTRA = "PREFECT_LOGGING_EXTRA_LOGGERS"
 def route_moeflow_logs() -> None:
     """moeflow's warnings (a training alarm, quarantined input) into the Prefect run's log, shown in the UI
     as they happen: here, and in the processes this one starts (which read the setting when they start)."""
-    from prefect.logging.handlers import APILogHandler
-
-    class InRuns(APILogHandler):
-        """Prefect's API handler, silent outside a flow or task run (a later `moeflow explain`, say)."""
-
-        def emit(self, record: logging.LogRecord) -> None:
-            from prefect.context import FlowRunContext, TaskRunContext
-
-            if FlowRunContext.get() is not None or TaskRunContext.get() is not None:
-                super().emit(record)
-
     names = [n.strip() for n in os.environ.get(EXTRA, "").split(",") if n.strip()]
     if "moeflow" not in names:
         os.environ[EXTRA] = ",".join([*names, "moeflow"])

@@ -14,6 +14,10 @@ import os
 import re
 import time
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
 from tqdm import tqdm as _tqdm
 
 log = logging.getLogger(__name__)
@@ -23,8 +27,6 @@ ENV_NAME = "MOEFLOW_PREFECT_TASK_NAME"
 
 def _context() -> tuple[str | None, str | None, str | None]:
     """(task run id, flow run id, task run name) of the run doing this work, or Nones."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
     task_ctx, flow_ctx = TaskRunContext.get(), FlowRunContext.get()
     if task_ctx is not None:
         return str(task_ctx.task_run.id), str(task_ctx.task_run.flow_run_id), task_ctx.task_run.name
@@ -40,8 +42,6 @@ def task_name(default: str) -> str:
 
 def child_env() -> dict[str, str]:
     """Environment entries that let a child process (a torchrun rank) report to this task run."""
-    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
-
     task_id, flow_id, name = _context()
     # the API this process talks to, which may come from a settings context rather than the environment
     env = {ENV_TASK: task_id, ENV_FLOW: flow_id, ENV_NAME: name, "PREFECT_API_URL": PREFECT_API_URL.value(),
@@ -79,9 +79,6 @@ class Artifact:
                         self.key, e)
 
     def _send(self, data, description: str) -> None:
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
-
         if self.client is None:
             self.client = get_client(sync_client=True)
         if self.id is None:

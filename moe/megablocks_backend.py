@@ -41,7 +41,7 @@ BF16_ONLY_DEVICES = ("cuda",)
 def _megablocks():
     """(Arguments, dMoE), or one RuntimeError naming the install command whatever piece is missing."""
     try:  # here, not at the top: megablocks is optional and CUDA-only; the torch backend never needs it
-        from megablocks import grouped_gemm_util
+        from megablocks import grouped_gemm_util  # optional: MegaBlocks' Python layers, on CUDA its kernels
         from megablocks.layers.arguments import Arguments
         from megablocks.layers.dmoe import dMoE
     except ImportError as e:  # megablocks itself, its CUDA extension `megablocks_ops`, stk, triton
