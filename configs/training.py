@@ -1,0 +1,174 @@
+"""The model's and training's config: model shape and backend, training, alarms, ranks, ladder, evaluation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moeflow.configs.base import Frozen, operational
+
+
+class ModelConfig(Frozen):
+    d_model: int = Field(default=128, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    num_experts: int = Field(default=8, gt=0)
+    top_k: int = Field(default=2, gt=0)
+    expert_hidden: int = Field(default=256, gt=0)
+    shared_expert_hidden: int = Field(default=0, ge=0)  # 0: no shared expert
+    glu: bool = True  # SwiGLU experts (w1, v1, w2) or a plain GELU MLP (w1, w2)
+    backend: Literal["torch", "megablocks"] = "torch"
+    # None: dropless. A number: each expert takes at most ceil(cf * tokens * top_k / experts) assignments
+    # (first come, first served) and the rest are dropped: the comparison variant, it reports its drop rate.
+    capacity_factor: float | None = Field(default=None, gt=0)
+    moe_every: int = Field(default=1, ge=1)  # an MoE FFN in every k-th layer (counted after the dense ones)
+    dense_layers: int = Field(default=0, ge=0)  # the first N layers use a dense MLP
+    dense_hidden: int | None = Field(
+        default=None, gt=0
+    )  # default: top_k * expert_hidden (equal active width)
+    router_jitter: float = Field(default=0.0, ge=0, lt=1)  # multiplicative input noise while training
+    normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("d_model / n_heads must be even (rotary embeddings rotate pairs)")
+        if self.top_k > self.num_experts:
+            raise ValueError("top_k must be <= num_experts")
+        if self.dense_layers > self.n_layers:
+            raise ValueError("dense_layers must be <= n_layers")
+        if self.backend == "megablocks" and self.capacity_factor is not None:
+            raise ValueError(
+                "capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless"
+            )
+        if self.backend == "megablocks" and self.expert_hidden * self.num_experts < 128:
+            raise ValueError(
+                "backend megablocks needs expert_hidden * num_experts >= 128 (dMoE's constructor takes "
+                f"log2 of it / 128); expert_hidden={self.expert_hidden} * num_experts={self.num_experts} = "
+                f"{self.expert_hidden * self.num_experts}"
+            )
+        return self
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.dense_layers and (layer - self.dense_layers) % self.moe_every == 0
+
+
+class AlarmConfig(Frozen):
+    window: int = Field(default=20, ge=2)  # steps of history the bands are computed from
+    loss_spike: float = Field(default=0.5, gt=0)  # alarm when loss > (1 + this) x the window's median
+    grad_norm_sigma: float = Field(
+        default=6.0, gt=0
+    )  # alarm when grad norm > mean + sigma x std of the window
+    grad_norm_ratio: float = Field(default=1.5, ge=1)  # ... and > this x the window's mean (a quiet window's
+    # std is tiny, and small wobbles would otherwise alarm)
+    stop: bool = False  # stop the run (failing the stage) on the first alarm
+
+
+class DistributedConfig(Frozen):
+    """Training across processes: the train stage launches torchrun when this asks for more than one."""
+
+    nproc_per_node: int = Field(default=1, ge=1)  # ranks on this node (CPU: gloo; CUDA: NCCL, one GPU each)
+    nnodes: int = Field(default=1, ge=1)  # >1: start the same command on every node (README, multi-node)
+    node_rank: int = Field(default=0, ge=0)
+    rdzv_endpoint: str = "127.0.0.1:0"  # host:port of the rendezvous; port 0: a free port (one node only)
+    expert_parallel: bool = True  # experts split across ranks (ragged all-to-all); false: replicated
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"train.distributed.node_rank={self.node_rank} must be below nnodes={self.nnodes}"
+            )
+        if self.nnodes > 1 and self.rdzv_endpoint.endswith(":0"):
+            raise ValueError(
+                "train.distributed.rdzv_endpoint needs a fixed host:port that every node can reach "
+                "when nnodes > 1"
+            )
+        return self
+
+
+class TrainConfig(Frozen):
+    steps: int = Field(default=300, gt=0)
+    batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
+    grad_accum: int = Field(default=1, ge=1)  # micro-batches per step (batch_size must divide evenly)
+    seq_len: int = Field(default=128, gt=1)
+    lr: float = Field(default=3e-3, gt=0)
+    schedule: Literal["cosine", "wsd"] = "cosine"  # warmup then cosine, or warmup-stable-decay
+    decay_fraction: float = Field(default=0.2, gt=0, le=1)  # wsd: the share of steps spent decaying
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=20, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    # where it computes (auto: CUDA when present); like the number of ranks, not part of the key
+    device: Literal["auto", "cpu", "cuda"] = operational("auto")
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast where the device supports it
+    load_balance_coef: float = Field(default=0.01, ge=0)
+    router_z_coef: float = Field(default=0.001, ge=0)
+    logit_z_coef: float = Field(default=0.0, ge=0)  # z-loss on the LM head's logits
+    # exact resume makes the checkpoint cadence invisible in the weights
+    checkpoint_every: int = operational(100, gt=0)
+    keep_checkpoints: int = operational(2, ge=1)
+    peak_tflops: float | None = operational(None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
+    log_every: int = operational(10, gt=0)
+    alarms: AlarmConfig = operational(AlarmConfig())
+    # one checkpoint serves any number of ranks
+    distributed: DistributedConfig = operational(DistributedConfig())
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.batch_size % self.grad_accum:
+            raise ValueError("batch_size must be divisible by grad_accum")
+        world = self.distributed.world_size
+        if (self.batch_size // self.grad_accum) % world:
+            raise ValueError(
+                f"train.batch_size / grad_accum = {self.batch_size // self.grad_accum} sequences "
+                f"per micro-batch must split evenly over the {world} ranks of train.distributed"
+            )
+        return self
+
+
+class TrainStageConfig(Frozen):
+    """What the train stage and each ladder rung receive.
+
+    The model, the run, the seed, the band's tolerance.
+    """
+
+    model: ModelConfig
+    train: TrainConfig
+    seed: int
+    band_tolerance: float = operational(0.05, ge=0)  # the ladder band's extra width (alarms only)
+
+
+class LadderConfig(Frozen):
+    """Small runs of the target's recipe (same data, tokenizer, schedule shape, MoE ratios) whose final
+    losses are fitted against compute to predict the target run before it starts."""
+
+    widths: tuple[int, ...] = Field(default=(32, 64, 96), min_length=3)  # d_model of each rung (x head width)
+    layers: tuple[int, ...] | None = None  # n_layers of each rung; default: the target's
+    budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
+    min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
+    bootstrap: int = Field(default=200, ge=10)  # resamples of the rungs for the prediction's band
+    band_tolerance: float = operational(
+        0.05, ge=0
+    )  # extra relative width of the monitor's band (alarms only)
+
+    @model_validator(mode="after")
+    def _check(self) -> LadderConfig:
+        if self.layers is not None and len(self.layers) != len(self.widths):
+            raise ValueError("ladder.layers must give one layer count per width")
+        return self
+
+
+class EvalConfig(Frozen):
+    max_sequences_per_domain: int = Field(default=64, gt=0)
+    # benchmark scores (`moe.scores`): at most this many items per task, a fixed subset drawn with
+    # `benchmark_seed`; 0 scores none
+    benchmark_items: int = Field(default=100, ge=0)
+    benchmark_seed: int = 0
