@@ -57,9 +57,14 @@ chaos: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py tests/test_objstore.py
 
-# the ingest fuzz suite with a longer, random budget (`make test` runs 25 derandomised cases a property)
+# the ingest fuzz suite with a longer, random budget (`make test` runs 25 derandomised cases a property);
+# a random hypothesis seed, printed before and (on failure) after: MOEFLOW_FUZZ_SEED=N replays a run
 fuzz: setup
-	MOEFLOW_FUZZ_EXAMPLES=$${MOEFLOW_FUZZ_EXAMPLES:-400} MOEFLOW_FUZZ_RANDOM=1 $(BIN)/python -m pytest -v --hypothesis-show-statistics tests/test_ingest_fuzz.py
+	@n=$${MOEFLOW_FUZZ_EXAMPLES:-400}; seed=$${MOEFLOW_FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "make fuzz: $$n examples a property, seed $$seed"; \
+	MOEFLOW_FUZZ_EXAMPLES=$$n MOEFLOW_FUZZ_RANDOM=1 $(BIN)/python -m pytest -v --hypothesis-show-statistics \
+		--hypothesis-seed=$$seed tests/test_ingest_fuzz.py \
+	|| { echo "make fuzz FAILED with seed $$seed; replay: MOEFLOW_FUZZ_SEED=$$seed MOEFLOW_FUZZ_EXAMPLES=$$n make fuzz"; exit 1; }
 
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

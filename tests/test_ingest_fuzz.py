@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import run_ingest
@@ -217,9 +217,19 @@ def _cut(data: bytes, at: float) -> bytes:
     return data[: int(len(data) * at)]
 
 
+def _bad(kind: str) -> Line:
+    return Line(BAD[kind][0], reason=BAD[kind][1])
+
+
 @FUZZ
 @given(jsonl_files().filter(lambda f: f.container), st.floats(0.05, 0.95),
        st.sampled_from(["cut", "magic", "plain"]))
+# issue 40: zstd named as plain; its literals hold a line `{"text": "x", "n": 19}` (the 9s of `huge_int` are a
+# match) and, unsplit, `{"text": "w"}` (`too_large`): lines of the file as it is, kept with their own text
+@example(JsonlFile([_bad("huge_int"), _good("0", False, False), _bad("huge_int"), _bad("array_root")],
+                   [b"\n"] * 4, False, False, ".zst", True), 0.5, "plain")
+@example(JsonlFile([_bad("array_root")] * 6 + [_bad("too_large"), Line(b"")] + [_good("0", False, False)] * 4,
+                   [b"\n"] * 12, False, False, ".zst", False), 0.5, "plain")
 def test_fuzzed_broken_compressed_files(tmp_path_factory, f, at, how):
     """A compressed file cut short, with a wrong magic number, or named as plain: the stage finishes, what
     it keeps are good records with their exact text, everything else is quarantined, conservation holds."""
@@ -235,18 +245,25 @@ def test_fuzzed_broken_compressed_files(tmp_path_factory, f, at, how):
     out.mkdir()
     stats = run_ingest([src], out)
     expected = f.expected()
-    good = {line.text for line in expected.values() if line.reason is None}
     texts = {d["id"]: d["text"] for d in iter_docs(out)}
     for row in read_ledger(out).to_pylist():
         base, _, line = row["doc_id"].partition("#L")
         assert base == f"f/{name}" or row["doc_id"] in (f"f/{name}", f"f/{name}#rest"), row
-        if row["fate"] == "kept" and how == "plain":  # a raw zstd block holds the lines as they were
-            assert texts[row["doc_id"]] in good
+        if row["fate"] == "kept" and how == "plain":  # compressed bytes read as lines: what parses is kept
+            assert texts[row["doc_id"]] == _text_at(broken, int(line))
         elif row["fate"] == "kept":
             assert texts[row["doc_id"]] == expected[int(line)].text
         else:
             assert row["fate"] == "quarantined" and row["reason"], row
     assert stats["documents_in"] == stats["fates"].get("kept", 0) + stats["fates"].get("quarantined", 0)
+
+
+def _text_at(data: bytes, n: int) -> str:
+    """The text field of line `n` of `data` as it is: in compressed bytes read as plain, a line can parse
+    although it is no line of the file compressed (a zstd block stores the original lines' literals between
+    its matches, so `{"text": "x", "n": 1999...}` can read as `{"text": "x", "n": 19}`)."""
+    line = data.split(b"\n")[n - 1].decode("utf-8")
+    return json.loads(line.removeprefix("\ufeff") if n == 1 else line)["text"]
 
 
 PARQUET_ROWS = st.lists(st.one_of(TEXT, st.none(), st.just(""), st.just("\x00")), min_size=1, max_size=30)
@@ -293,25 +310,30 @@ def test_fuzzed_parquet_sources(tmp_path_factory, texts, group, damage, shards):
     assert stats["documents_in"] == len(texts)
 
 
-TEXT_FILES = st.one_of(  # (file bytes, what ingest must make of it: a reason, or the text kept)
+# (file bytes, what ingest must make of it: ("kept", the text) or ("quarantined", the reason)); the two
+# kept apart: hypothesis also draws the string constants of the code under test, so a file's text can be
+# "too_large" or "invalid_utf8" (issue 40: such a text file, rightly kept, read as a reason it lacked)
+TEXT_FILES = st.one_of(
     st.tuples(TEXT, st.booleans()).map(lambda t: _text_file("\ufeff" * t[1] + t[0])),
     st.tuples(TEXT, st.integers(0, 50)).map(  # invalid UTF-8 at a generated place
-        lambda t: (t[0].encode()[: t[1]] + b"\xff" + t[0].encode()[t[1] :], "invalid_utf8")),
+        lambda t: (t[0].encode()[: t[1]] + b"\xff" + t[0].encode()[t[1] :], ("quarantined", "invalid_utf8"))),
     st.sampled_from([(b"", "empty_text"), (b" \n\t", "empty_text"), (b"a\x00b", "nul_bytes"),
-                     (b"\xed\xa0\x80", "invalid_utf8"), (b"w" * (MAX_DOC + 1), "too_large")]),
+                     (b"\xed\xa0\x80", "invalid_utf8"), (b"w" * (MAX_DOC + 1), "too_large")]).map(
+        lambda t: (t[0], ("quarantined", t[1]))),
 )
-REASONS = {"invalid_utf8", "empty_text", "nul_bytes", "too_large"}
 
 
-def _text_file(text: str) -> tuple[bytes, str]:
+def _text_file(text: str) -> tuple[bytes, tuple[str, str]]:
     """A text file's bytes and what is kept of it: all but a leading BOM (or `empty_text` if that is all)."""
     kept = text.removeprefix("\ufeff")
-    return text.encode(), kept if kept.strip() else "empty_text"
+    return text.encode(), ("kept", kept) if kept.strip() else ("quarantined", "empty_text")
 
 
 @FUZZ
 @given(st.lists(st.tuples(TEXT_FILES, st.sampled_from(["", ".gz", ".zst"])), min_size=1, max_size=8),
        st.integers(1, 4))
+@example([(_text_file("too_large"), "")], 1)  # issue 40's falsifying examples
+@example([(_text_file("invalid_utf8"), "")], 1)
 def test_fuzzed_text_sources(tmp_path_factory, files, shards):
     """A text source (a file a document), plain or compressed: each file kept with its exact text (a
     leading BOM dropped) or quarantined with its reason, in the same bytes for any shard count."""
@@ -333,10 +355,10 @@ def test_fuzzed_text_sources(tmp_path_factory, files, shards):
     texts = {d["id"]: d["text"] for d in iter_docs(folder / "out1")}
     assert len(rows) == len(files)
     for ((_, want), _), row in zip(files, rows, strict=True):
-        if want in REASONS:
-            assert (row["fate"], row["reason"]) == ("quarantined", want), row
+        if want[0] == "quarantined":
+            assert (row["fate"], row["reason"]) == want, row
         else:
-            assert (row["fate"], texts[row["doc_id"]]) == ("kept", want), row
+            assert (row["fate"], texts[row["doc_id"]]) == want, row
 
 
 @FUZZ
@@ -346,6 +368,9 @@ def test_fuzzed_files_changing_while_read(tmp_path_factory, texts, how, shards):
     """A file truncated, grown, deleted or replaced after its first few bytes were read: the stage finishes,
     what it keeps is good records of one version or the other, every record is accounted for, and the
     file is named as changed (or its loss as unreadable)."""
+    # the known bug `test_regression_a_file_deleted_while_read_with_a_shard_after_it` pins (strict xfail):
+    # left out here until it is fixed, so the property goes on checking every other case
+    assume(not (how == "delete" and shards > 1))
     folder = tmp_path_factory.mktemp("fuzz")
     (folder / "in").mkdir()
     path = folder / "in" / "a.jsonl"
@@ -416,6 +441,23 @@ def test_regression_a_file_deleted_while_read_with_a_shard_after_it(tmp_path, mo
     stats = run_ingest([src], out, shards=3)
     assert stats["documents_in"] == len(read_ledger(out).to_pylist())
     assert stats["sources"]["f"]["changed"] == ["a.jsonl"]
+
+
+def test_regression_one_process_reads_a_rewritten_file_as_it_is_now(tmp_path):
+    """Issue 40: two inputs through one long-lived process (this one, as hypothesis runs its examples), the
+    same path, size and mtime each time: the second is read as itself, no memo of the first carried over."""
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "a.txt"
+    src = SourceConfig(name="t", path=str(path), format="text", domain="x", license="cc0", max_doc_bytes=MAX_DOC)
+    fates = []
+    for i, data in enumerate([b"good", b"g\xffod"]):
+        path.write_bytes(data)
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        run_ingest([src], out)
+        fates.append([(r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()])
+    assert fates == [[("kept", "")], [("quarantined", "invalid_utf8")]]
 
 
 def test_regression_ids_from_an_id_field_that_do_not_encode(tmp_path):
