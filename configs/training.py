@@ -115,9 +115,12 @@ class TrainConfig(Frozen):
     # exact resume makes the checkpoint cadence invisible in the weights
     checkpoint_every: int = operational(100, gt=0)
     keep_checkpoints: int = operational(2, ge=1)
-    peak_tflops: float | None = operational(None, gt=0)  # the device's peak, for MFU; unset: MFU not reported
     log_every: int = operational(10, gt=0)
-    alarms: AlarmConfig = operational(AlarmConfig())
+    # Keyed although they only watch the run: they decide bytes of its artifact (the MFU field of
+    # metrics.jsonl, alarms.jsonl) and, with `alarms.stop`, where it ends. The live view and TensorBoard show
+    # them while it runs, so the artifact keeps them as they were; changing them trains again.
+    peak_tflops: float | None = Field(default=None, gt=0)  # the device's peak, for MFU; unset: a known GPU's
+    alarms: AlarmConfig = AlarmConfig()
     # one checkpoint serves any number of ranks
     distributed: DistributedConfig = operational(DistributedConfig())
 
@@ -137,13 +140,14 @@ class TrainConfig(Frozen):
 class TrainStageConfig(Frozen):
     """What the train stage and each ladder rung receive.
 
-    The model, the run, the seed, the band's tolerance.
+    The model, the run, the seed, the band's tolerance: keyed, for it decides the band fields of
+    metrics.jsonl and the band alarms (a rung, which has no band, gets 0).
     """
 
     model: ModelConfig
     train: TrainConfig
     seed: int
-    band_tolerance: float = operational(0.05, ge=0)  # the ladder band's extra width (alarms only)
+    band_tolerance: float = Field(default=0.05, ge=0)  # the ladder band's extra width
 
 
 class LadderConfig(Frozen):
@@ -155,9 +159,9 @@ class LadderConfig(Frozen):
     budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
     min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
     bootstrap: int = Field(default=200, ge=10)  # resamples of the rungs for the prediction's band
-    band_tolerance: float = operational(
-        0.05, ge=0
-    )  # extra relative width of the monitor's band (alarms only)
+    # extra relative width of the target run's band: in the train stage's key, not the ladder's (its fit
+    # does not use it)
+    band_tolerance: float = operational(0.05, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> LadderConfig:

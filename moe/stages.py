@@ -15,6 +15,11 @@ def _train_config(c: RunConfig) -> TrainStageConfig:
     )
 
 
+def _rung_config(c: RunConfig) -> TrainStageConfig:
+    """A rung trains before there is a band to watch: its key holds no tolerance."""
+    return TrainStageConfig(model=c.model, train=c.train, seed=c.seed, band_tolerance=0.0)
+
+
 def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
     """The MegaBlocks backend's own distributions count only when it is the backend that trains."""
     megablocks = ("megablocks", "stanford-stk", "grouped_gemm") if s.model.backend == "megablocks" else ()
@@ -25,7 +30,7 @@ def _ladder_config(c: RunConfig) -> dict:
     return {"ladder": c.ladder, "model": c.model, "train": c.train, "seed": c.seed, "phases": c.phases()}
 
 
-RUNG = Stage("rung", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
+RUNG = Stage("rung", _rung_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
 LADDER = Stage("ladder", _ladder_config, Lazy("moeflow.moe.ladder:stage"), ("scipy", *TRAIN_LIBS))
 TRAIN = Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
 EVALUATE = Stage("evaluate", lambda c: c.evaluate, Lazy("moeflow.moe.evaluate:stage"), TRAIN_LIBS)

@@ -197,10 +197,8 @@ def test_why_names_the_config_field_with_old_and_new_values(copy, tmp_path):
 
 OPERATIONAL = {
     "log_every": 3,
-    "peak_tflops": 100.0,
     "keep_checkpoints": 5,
     "checkpoint_every": 7,
-    "alarms": {"loss_spike": 0.9, "stop": True},
     "distributed": {"nproc_per_node": 2},
     "device": "cpu",
 }
@@ -229,13 +227,33 @@ def test_a_real_training_field_changes_the_key_and_operational_ones_do_not():
     ops = cfg.model_copy(
         update={
             "train": cfg.train.model_copy(update={"log_every": 1, "keep_checkpoints": 9}),
-            "ladder": configs.LadderConfig(band_tolerance=0.5),
         }
     )
     assert keys.digest("train", key_parts(STAGES["train"], ops, inputs)) == base
     real = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": 0.001})})
     assert keys.digest("train", key_parts(STAGES["train"], real, inputs)) != base
     assert keys.operational(STAGES["train"].config(ops))["train.log_every"] == 1
+
+
+WATCHING = {  # what decides the bytes of metrics.jsonl (MFU, band) and alarms.jsonl, or where a run stops
+    "train.peak_tflops": lambda c: {"train": c.train.model_copy(update={"peak_tflops": 100.0})},
+    "train.alarms": lambda c: {"train": c.train.model_copy(
+        update={"alarms": c.train.alarms.model_copy(update={"loss_spike": 0.9})})},
+    "ladder.band_tolerance": lambda c: {"ladder": c.ladder.model_copy(update={"band_tolerance": 0.5})},
+}
+
+
+@pytest.mark.parametrize("field", sorted(WATCHING))
+def test_fields_that_decide_the_train_artifacts_bytes_are_in_its_key(field):
+    cfg = configs.load("tiny")
+    changed = cfg.model_copy(update=WATCHING[field](cfg))
+    inputs = {"mix": "m", "tokenizer": "t"}
+    train = [keys.digest("train", key_parts(STAGES["train"], c, inputs)) for c in (cfg, changed)]
+    assert train[0] != train[1], field
+    rung = [keys.digest("rung", key_parts(STAGES["rung"], c, inputs)) for c in (cfg, changed)]
+    assert (rung[0] == rung[1]) == (field == "ladder.band_tolerance")  # a rung has no band to watch
+    ladder = [key_parts(STAGES["ladder"], c, {})["config"] for c in (cfg, changed)]
+    assert (ladder[0] == ladder[1]) == (field == "ladder.band_tolerance")  # the fit does not use it
 
 
 def test_filter_shards_are_out_of_the_joined_key():
