@@ -176,3 +176,5 @@ class EvalConfig(Frozen):
     # `benchmark_seed`; 0 scores none
     benchmark_items: int = Field(default=100, ge=0)
     benchmark_seed: int = 0
+    # where evaluation computes; unset: `train.device` (the evaluate stage fills it in)
+    device: Literal["auto", "cpu", "cuda"] | None = operational(None)

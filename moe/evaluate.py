@@ -39,7 +39,7 @@ def stage(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
 
 @torch.no_grad()
 def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
-    dev = device.resolve("auto")
+    dev = device.resolve(cfg.device or "auto")
     # float64: a request's log-likelihood must not depend on the batch it was padded into (float32 sums
     # of ~100-nat continuations differ by more than 1e-5 between batch shapes)
     model = load_model(inputs["model"].dir).to(dev).double()
@@ -59,7 +59,7 @@ def load_model(train_dir: Path) -> Transformer:
 
 @torch.no_grad()
 def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
-    dev = device.resolve("auto")
+    dev = device.resolve(cfg.device or "auto")
     model = load_model(train_dir).to(dev)
     path = Path(mix_dir) / "heldout.arrow"
     data = sequences(path)

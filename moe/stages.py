@@ -3,7 +3,7 @@ imported (`Lazy`): they import torch, which a data stage's worker process should
 
 from __future__ import annotations
 
-from moeflow.configs import RunConfig, TrainStageConfig
+from moeflow.configs import EvalConfig, RunConfig, TrainStageConfig
 from moeflow.core.stage import Lazy, Stage
 
 TRAIN_LIBS = ("torch", "numpy", "safetensors")
@@ -33,4 +33,11 @@ def _ladder_config(c: RunConfig) -> dict:
 RUNG = Stage("rung", _rung_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
 LADDER = Stage("ladder", _ladder_config, Lazy("moeflow.moe.ladder:stage"), ("scipy", *TRAIN_LIBS))
 TRAIN = Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
-EVALUATE = Stage("evaluate", lambda c: c.evaluate, Lazy("moeflow.moe.evaluate:stage"), TRAIN_LIBS)
+def _evaluate_config(c: RunConfig) -> EvalConfig:
+    """Evaluation computes where training does unless `evaluate.device` says otherwise."""
+    return c.evaluate.model_copy(update={"device": c.evaluate.device or c.train.device})
+
+
+# the tokenizer encodes the benchmark requests; pyarrow reads the held-out rows and the benchmark index
+EVALUATE = Stage("evaluate", _evaluate_config, Lazy("moeflow.moe.evaluate:stage"),
+                 (*TRAIN_LIBS, "tokenizers", "pyarrow"))

@@ -22,6 +22,27 @@ def test_asking_for_cuda_without_it_names_the_setting_and_the_fix():
         device.resolve("cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_evaluation_computes_where_training_does(tmp_path):
+    from types import SimpleNamespace
+
+    from moeflow import configs
+    from moeflow.moe import evaluate
+    from moeflow.tasks.registry import STAGES
+
+    cfg = configs.load("smoke")
+    cuda = cfg.model_copy(update={"train": cfg.train.model_copy(update={"device": "cuda"})})
+    slice_ = STAGES["evaluate"].config(cuda)
+    assert slice_.device == "cuda"
+    inputs = {"model": SimpleNamespace(dir=tmp_path), "mix": SimpleNamespace(dir=tmp_path)}
+    with pytest.raises(device.DeviceError):  # not quietly the CPU
+        evaluate.stage(slice_, inputs, tmp_path)
+    back = cuda.model_copy(update={"evaluate": cuda.evaluate.model_copy(update={"device": "cpu"})})
+    assert STAGES["evaluate"].config(back).device == "cpu"
+    # what shapes its output: the tokenizer encodes the benchmark requests, pyarrow reads the rows
+    assert {"tokenizers", "pyarrow", "torch"} <= set(STAGES["evaluate"].libraries)
+
+
 def test_the_cpu_is_described_and_has_no_known_peak():
     cpu = device.describe(torch.device("cpu"))
     assert cpu["type"] == "cpu" and cpu["count"] >= 1
