@@ -43,7 +43,7 @@ def _with_clean_splits(ev: dict, decon: dict) -> dict:
     """Each task's scores, with its score on the clean items where the decontamination upstream of the
     model found sampled items in training documents (from its ledger and evaluate's per-item records)."""
     matched = metrics.matched_items(ensure(Path(decon["_dir"]), ledger.LEDGER).parent)
-    items = metrics.read_items(Path(ev["_dir"]))
+    items = metrics.read_items(ensure(Path(ev["_dir"]), metrics.ITEMS).parent)
     return {task: {**r, **(metrics.clean_split(items.get(task, []), matched) or {})}
             for task, r in ev["stats"]["benchmarks"].items()}
 

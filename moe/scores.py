@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import xxhash
 
 from moeflow.core import ledger
@@ -62,14 +63,15 @@ def summarise(recs: list[dict]) -> dict:
 
 
 def matched_items(decontaminate_dir: Path) -> set[tuple[str, str]]:
-    """(benchmark, item id) of every item decontamination found in a training document."""
-    table = ledger.read(decontaminate_dir)
+    """(benchmark, item id) of every item decontamination found in a training document: the ledger is
+    read a row group at a time, and only its matched rows are kept."""
     found = set()
-    for fate, reason, detail in zip(*(table.column(c).to_pylist() for c in ("fate", "reason", "detail")),
-                                    strict=True):
-        if fate == "contaminated" or reason == "cut":
-            d = json.loads(detail)
-            found.add((d["benchmark"], d["item_id"]))
+    columns = ("fate", "reason", "detail")
+    for batch in pq.ParquetFile(Path(decontaminate_dir) / ledger.LEDGER).iter_batches(columns=list(columns)):
+        for fate, reason, detail in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
+            if fate == "contaminated" or reason == "cut":
+                d = json.loads(detail)
+                found.add((d["benchmark"], d["item_id"]))
     return found
 
 
@@ -83,10 +85,14 @@ def clean_split(recs: list[dict], matched: set[tuple[str, str]]) -> dict | None:
 
 
 def read_items(evaluate_dir: Path) -> dict[str, list[dict]]:
-    """The evaluate artifact's per-item records, by task."""
+    """The evaluate artifact's per-item records, by task; an artifact that scored benchmarks without them
+    is an error (its contamination split cannot be made), never "none found"."""
     path = Path(evaluate_dir) / ITEMS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the evaluate artifact scored benchmarks but holds no per-item "
+                                f"records ({ITEMS}); rebuild it: moeflow run CONFIG --rerun evaluate")
     out: dict[str, list[dict]] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in path.read_text().splitlines():
         rec = json.loads(line)
         out.setdefault(rec["task"], []).append(rec)
     return out

@@ -115,3 +115,38 @@ def test_log_likelihoods_and_accuracy_match_lm_eval(smoke_model, task, yml, benc
         metrics = lm_task.process_results(by_doc[doc_id][0][2], theirs)
         shared = {m: metrics[m] for m in ("acc", "acc_norm") if m in metrics}
         assert {m: rec[m] for m in ("acc", "acc_norm") if m in rec} == shared, (task, doc_id)
+
+
+def _contamination_graph(tmp_path):
+    """An evaluate artifact that scored two items of one task, and a decontaminate ledger (in row groups of
+    one row) that found one of them in a training document."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moeflow.core import ledger
+
+    ev_dir, decon_dir = tmp_path / "evaluate", tmp_path / "decontaminate"
+    ev_dir.mkdir(), decon_dir.mkdir()
+    recs = [{"task": "arc_easy", "benchmark": "arc", "item_id": i, "loglikelihoods": [-1.0, -2.0], "gold": 0,
+             "pred": 0, "acc": 1.0, "chance": 0.5} for i in ("a", "b")]
+    (ev_dir / scores.ITEMS).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    detail = [json.dumps({"benchmark": "arc", "item_id": "b"}), "{}", "{}"]
+    pq.write_table(pa.table({"id": ["d1", "d2", "d3"], "fate": ["contaminated", "kept", "kept"],
+                             "reason": ["ngram", "", ""], "detail": detail}),
+                   decon_dir / ledger.LEDGER, row_group_size=1)
+    ev = {"_dir": str(ev_dir), "stats": {"benchmarks": {"arc_easy": {**scores.summarise(recs), "benchmark": "arc"}}},
+          "config": {"benchmark_items": 2, "benchmark_seed": 0}, "code": {"source_hash": "c" * 40}}
+    train = {"artifact": {"hash": "t" * 40}, "stats": {"steps": 5}}
+    return ev, train, {"_dir": str(decon_dir)}
+
+
+def test_the_card_splits_found_items_and_fails_without_the_per_item_records(tmp_path):
+    from moeflow.card import evaluation
+
+    ev, train, decon = _contamination_graph(tmp_path)
+    assert scores.matched_items(Path(decon["_dir"])) == {("arc", "b")}
+    table = evaluation.scores(ev, train, decon)
+    assert table["flagged"] == ["arc_easy"] and "1 of 2 items found in training data" in table["table"]
+    (Path(ev["_dir"]) / scores.ITEMS).unlink()
+    with pytest.raises(FileNotFoundError, match=r"benchmarks.jsonl.*--rerun evaluate"):
+        evaluation.scores(ev, train, decon)  # not a table saying "none found"
