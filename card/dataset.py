@@ -16,7 +16,7 @@ from huggingface_hub import DatasetCard, DatasetCardData
 
 from moeflow.card.graph import collect, single
 from moeflow.card.render import render as render_template
-from moeflow.card.sections import dedup_clusters, filter_table, stages_table, table
+from moeflow.card.sections import SECONDS, dedup_clusters, filter_table, seconds, stages_table, table
 from moeflow.core.documents import iter_docs
 
 DATASET_CARD = "dataset_card.md"
@@ -125,8 +125,8 @@ def _contamination(graph: dict[str, dict]) -> dict | None:
 
 def _run_table(graph: dict[str, dict]) -> str:
     rows = [[r["stage"], name, r["artifact"]["content_hash"], r["code"]["commit"], r["finished_at"],
-             r["seconds"]] for name, r in graph.items()]
-    return table(["stage", "artifact", "content hash", "code commit", "finished at", "seconds"], rows)
+             seconds(r)] for name, r in graph.items()]
+    return table(["stage", "artifact", "content hash", "code commit", "finished at", SECONDS], rows)
 
 
 def export(artifact_dir: Path, out: Path) -> dict:

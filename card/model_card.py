@@ -7,7 +7,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from moeflow.card import evaluation, training
 from moeflow.card.graph import DATA_STAGES, by_stage
 from moeflow.card.render import render
-from moeflow.card.sections import dedup_clusters, filter_table, stages_table, table
+from moeflow.card.sections import SECONDS, dedup_clusters, filter_table, seconds, stages_table, table
 
 CARD = "README.md"
 TEMPLATE = "model_card.md.j2"
@@ -246,11 +246,11 @@ def _run_record(graph: dict[str, dict], g: dict[str, dict]) -> dict:
                    ["target run started at", train["started_at"]]]
     stages = [
         [r["stage"], name, r["artifact"]["content_hash"], r["prefect"].get("task_run_id", "-"), r["finished_at"],
-         r["seconds"]]
+         seconds(r)]
         for name, r in graph.items()
     ]
     return {
         "fields_table": table(["field", "value"], fields),
-        "stages_table": table(["stage", "artifact", "content hash", "Prefect task run", "finished at", "seconds"],
+        "stages_table": table(["stage", "artifact", "content hash", "Prefect task run", "finished at", SECONDS],
                               stages),
     }

@@ -34,7 +34,7 @@ def _publish(out: Path, roots: list[Path]) -> None:
         {
             "stage": rec["stage"],
             "artifact": f"{rec['stage']}-{rec['artifact']['hash']}",
-            "seconds": rec["seconds"],
+            "seconds": rec.get("wall_seconds", rec["seconds"]),
             "documents_in": rec["stats"].get("documents_in", ""),
             "documents_out": rec["stats"].get("documents_out", ""),
         }

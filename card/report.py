@@ -11,7 +11,7 @@ import markdown
 from moeflow.card.graph import artifact_name, last_run, single, upstream
 from moeflow.card.plots import PLOTS, WATERFALL, waterfall
 from moeflow.card.render import render
-from moeflow.card.sections import table
+from moeflow.card.sections import seconds, table
 
 REPORT, HTML, DAG = "lineage_report.md", "lineage_report.html", "lineage.svg"
 TEMPLATE, PAGE, SVG = "lineage_report.md.j2", "lineage_report.html.j2", "lineage.svg.j2"
@@ -89,7 +89,7 @@ def _artifact(name: str, r: dict, built: set[str]) -> dict:
         "prefect": ", ".join(f"{k} `{v}`" for k, v in sorted(r["prefect"].items())) or "not run by Prefect",
         "started_at": r["started_at"],
         "finished_at": r["finished_at"],
-        "seconds": r["seconds"],
+        "seconds": seconds(r),
         "host": r["host"]["hostname"],
         "previous": prev,
         "changes": "; ".join(changes),

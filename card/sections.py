@@ -11,6 +11,18 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+SECONDS = "seconds"
+
+
+def seconds(rec: dict) -> str:
+    """A stage's time as the cards show it: a sharded stage's wall time from its first part's start to its
+    join's end, with its parts' seconds summed; any other stage's own."""
+    if "wall_seconds" in rec:
+        return (f"{rec['wall_seconds']} wall from its first part's start ({rec['parts_seconds']} in parts, "
+                f"{rec['seconds']} joining)")
+    return str(rec["seconds"])
+
+
 def fates(stats: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in stats.get("fates", {}).items() if k != "kept") or "none"
 

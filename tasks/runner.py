@@ -248,6 +248,7 @@ def _build(
         elif prior:
             lineage["phases"] = {name: [_ref(m) for m in ms] for name, ms in prior.items()}
             lineage["shards"] = lineage["phases"][stage.phases[-1].name]
+            lineage.update(_timing(earlier, lineage))
         manifest = store.commit(name, key, tmp, stats, lineage)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -261,6 +262,16 @@ def _build(
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def _timing(parts: list[Manifest], joined: dict) -> dict:
+    """A sharded stage's time, from its parts' records: `wall_seconds` from the first part's start to the
+    join's end (what a user waited), `parts_seconds` the parts' own seconds summed (the work, on however
+    many workers); `seconds` stays the join's own."""
+    records = [m.lineage() for m in parts]
+    first = min(datetime.fromisoformat(r["started_at"]) for r in records)
+    return {"wall_seconds": round((datetime.fromisoformat(joined["finished_at"]) - first).total_seconds(), 2),
+            "parts_seconds": round(sum(r["seconds"] for r in records), 2)}
 
 
 def relpath(m: Manifest) -> str:

@@ -229,3 +229,27 @@ def test_generate_is_independent_of_other_artifacts_in_the_store(pipeline, tmp_p
         assert (tmp_path / "first" / f).read_bytes() == (tmp_path / "second" / f).read_bytes(), f
     report = (tmp_path / "first" / card.REPORT).read_text()
     assert "`mix-m0`" in report and "mix-early" not in report and "mix-late" not in report
+
+
+def test_a_sharded_stage_shows_its_wall_time_and_its_parts_total(tmp_path):
+    """The run record of a sharded stage is its time from the first part's start to the join's end, with its
+    parts' seconds summed, not the join's own fraction of a second."""
+    from helpers import _fresh_store, stage_config
+    from moeflow.card.sections import seconds
+    from moeflow.configs import SourceConfig
+    from moeflow.store.local import Manifest
+    from moeflow.tasks.runner import materialize
+
+    (tmp_path / "in").mkdir()
+    for i in range(6):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 50)
+    src = SourceConfig(name="t", path=str(tmp_path / "in" / "*.txt"), domain="x", license="cc0")
+    cfg = stage_config(_fresh_store(tmp_path / "out"), 3, sources=(src,))
+    joined = materialize("ingest", cfg, {})
+    rec = joined.lineage()
+    parts = [Manifest.read(Path(joined.path).parent.parent / p["path"]).lineage() for p in rec["shards"]]
+    assert len(parts) == 3
+    assert rec["parts_seconds"] == round(sum(p["seconds"] for p in parts), 2)
+    # started_at and finished_at are to the second
+    assert rec["wall_seconds"] + 1 >= max(p["seconds"] for p in parts) and rec["wall_seconds"] + 1 >= rec["seconds"]
+    assert seconds(rec).startswith(f"{rec['wall_seconds']} wall") and f"{rec['parts_seconds']} in parts" in seconds(rec)
