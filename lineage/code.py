@@ -24,6 +24,15 @@ PACKAGE = "moeflow"
 DATA_MODULES = frozenset({"moeflow.sources.registry"})
 # Modules that only report (live progress in the Prefect UI) and never shape an artifact: not in keys.
 REPORTING_MODULES = frozenset({"moeflow.core.progress", "moeflow.moe.live"})
+# Plumbing: modules that fetch, move or locate bytes whose content is checked against a hash where it
+# arrives (the artifact store, its mirror and leases; fetching packages). What they carry is keyed already,
+# as the inputs' content hashes and the fetched files' identities, so editing them rebuilds nothing.
+# (`store.format` stays keyed: its checksums are written into the `sources` stage's output.)
+PLUMBING_MODULES = frozenset({
+    "moeflow.sources.fetch", "moeflow.store.mirror", "moeflow.store.local", "moeflow.store.remote",
+    "moeflow.store.lease", "moeflow.store.url", "moeflow.store.gc",
+})
+UNKEYED = DATA_MODULES | REPORTING_MODULES | PLUMBING_MODULES
 
 
 def module_file(module: str) -> Path | None:
@@ -98,7 +107,7 @@ def closure(module: str) -> dict[str, str]:
             continue
         digest, imports = _parsed(name)
         seen[name] = digest
-        todo += sorted(imports - set(seen) - DATA_MODULES - REPORTING_MODULES)
+        todo += sorted(imports - set(seen) - UNKEYED)
     return {k: seen[k] for k in sorted(seen) if seen[k]}
 
 

@@ -315,3 +315,34 @@ def test_a_library_version_change_rebuilds_the_stages_it_shapes(smoke_run, monke
     assert plans["ingest"].status == "reuse" and plans["filter"].status == "rebuild"
     assert plans["filter"].reasons == [f'library datatrove: "{real(("datatrove",))["datatrove"]}" -> "99.0"']
     assert plans["dedup"].status == "depends"
+
+
+def _closures_after_edit(tmp_path, edits: tuple[str, ...]) -> dict[str, str]:
+    """Every stage's code-key digest, computed in a fresh process from a copy of the package in which each
+    file of `edits` gained a statement."""
+    root = Path(__file__).resolve().parent.parent
+    copy = tmp_path / f"edit{abs(hash(edits))}" / "moeflow"
+    files = subprocess.run(["git", "ls-files", "*.py", "*.yaml", "*.j2"], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (copy / rel).write_bytes((root / rel).read_bytes())
+    for rel in edits:
+        with (copy / rel).open("a") as f:
+            f.write("\n_EDITED_BY_A_TEST = 1\n")
+    script = ("import json; from moeflow.lineage import code, keys; from moeflow.tasks.registry import STAGES; "
+              "print(json.dumps({n: keys.digest('code', code.closure(s.module)) for n, s in STAGES.items()}))")
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(copy.parent)},
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_editing_the_store_or_fetch_plumbing_rebuilds_nothing(tmp_path):
+    plumbing = ("store/lease.py", "store/remote.py", "store/mirror.py", "store/local.py", "store/url.py",
+                "store/gc.py", "sources/fetch.py")
+    before = _closures_after_edit(tmp_path, ())
+    assert _closures_after_edit(tmp_path, plumbing) == before
+    # the test can see an edit: one in the filter's code changes the filter's key and no other data stage's
+    edited = _closures_after_edit(tmp_path, ("filters/heuristics.py",))
+    assert {n for n in before if edited[n] != before[n]} == {"filter"}
