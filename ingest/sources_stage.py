@@ -39,9 +39,11 @@ def _stat(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def identities(packages: list[str] | tuple[str, ...], sources: tuple[SourceConfig, ...] = ()) -> dict:
-    """The `fetched` part of a key: `package:NAME` -> version and sha256, `local:SOURCE` -> its files."""
-    out = package_identities(packages)
+def identities(packages: list[str] | tuple[str, ...], sources: tuple[SourceConfig, ...] = (),
+               reading: bool = True) -> dict:
+    """The `fetched` part of a key: `package:NAME` -> version, sha256 and (`reading`) the tree's digest,
+    `local:SOURCE` -> its files."""
+    out = package_identities(packages, reading)
     out.update({f"local:{name}": files for name, files in local_files(sources).items()})
     return out
 
@@ -57,7 +59,8 @@ def config(cfg: RunConfig) -> dict:
 
 
 def fetched(s: dict) -> dict:
-    return identities(s["packages"], tuple(s["local"]))
+    """The `sources` stage fetches: its key holds what it should fetch, not what the cache holds now."""
+    return identities(s["packages"], tuple(s["local"]), reading=False)
 
 
 def run(s: dict, inputs: dict, out: Path) -> dict:

