@@ -47,7 +47,7 @@ def _tokens(graph: dict[str, dict]) -> dict | None:
     if not rec or "tokens" not in rec["stats"]:
         return None
     per_domain = rec["stats"].get("tokens_per_domain", {})
-    return {"total": rec["stats"]["tokens"], "documents": rec["stats"]["documents"],
+    return {"total": rec["stats"]["tokens"], "documents": rec["stats"]["documents_out"],
             "artifact": f"tokenize-{rec['artifact']['hash']}",
             "per_domain": ", ".join(f"{d} {n:,}" for d, n in per_domain.items())}
 

@@ -430,13 +430,13 @@ def overlap_merge(s: dict, prior: dict[str, list[Path]], out: Path) -> dict:
     for part in prior["shard"]:
         found += json.loads((part / "overlap.json").read_text())
         stats = json.loads((part / "manifest.json").read_text())["stats"]
-        checked += stats["documents_checked"]
+        checked += stats["documents_in"]
         for bench, counts in stats["remaining"].items():
             b = per_bench.setdefault(bench, {"documents": 0, "ngrams": 0})
             b["documents"] += counts["documents"]
             b["ngrams"] += counts["ngrams"]
     (out / "overlap.json").write_text(json.dumps(found, indent=2, sort_keys=True))
-    return {"ngram": s["ngram"], "documents_checked": checked, "remaining": dict(sorted(per_bench.items())),
+    return {"ngram": s["ngram"], "documents_in": checked, "remaining": dict(sorted(per_bench.items())),
             "shards": len(prior["shard"])}
 
 
@@ -460,4 +460,4 @@ def overlap(cfg: DecontamConfig, store_dir: Path, tokenizer_dir: Path, index_dir
             b["ngrams"] += matched
             found.append({"doc_id": doc_id, **item, "matched_ngrams": matched})
     (out / "overlap.json").write_text(json.dumps(found, indent=2, sort_keys=True))
-    return {"ngram": cfg.ngram, "documents_checked": checked, "remaining": dict(sorted(per_bench.items()))}
+    return {"ngram": cfg.ngram, "documents_in": checked, "remaining": dict(sorted(per_bench.items()))}

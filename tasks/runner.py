@@ -163,20 +163,28 @@ def _run_body(
         stats = stage.merge(slice_, dirs, tmp)
     else:
         stats = stage.body(slice_, inputs, tmp, work) if stage.resumable else stage.body(slice_, inputs, tmp)
-    check_conservation(stage.name, inputs, stats)
+    check_conservation(stage, inputs, stats)
     return stats
 
 
-def check_conservation(name: str, inputs: Inputs, stats: dict) -> None:
-    """A data stage must read exactly the documents its upstream artifact recorded as its output."""
-    docs = inputs.get("docs")
-    read = stats.get("documents_in", stats.get("documents"))
-    if docs is None or read is None or "documents_out" not in docs.stats:
+def check_conservation(stage: Stage, inputs: Inputs, stats: dict) -> None:
+    """A stage that reads every document of an input (`Stage.reads`) must record as many as that input
+    recorded as its output."""
+    source = inputs.get(stage.reads) if stage.reads else None
+    if source is None:
         return
-    if read != docs.stats["documents_out"]:
+    if "documents_in" not in stats:
+        raise ConservationError(f"stage {stage.name} reads its {stage.reads!r} input but recorded no documents_in")
+    read, written = stats["documents_in"], source.stats.get("documents_out")
+    if read is None:  # it read none, by its config (a tokenizer not trained here)
+        return
+    if written is None:
+        raise ConservationError(f"stage {stage.name}: its input {source.stage}-{source.hash} recorded no "
+                                "documents_out to check its count against")
+    if read != written:
         raise ConservationError(
-            f"stage {name}: read {read} documents, but its input {docs.stage}-{docs.hash} "
-            f"recorded {docs.stats['documents_out']} output documents"
+            f"stage {stage.name}: read {read} documents, but its input {source.stage}-{source.hash} "
+            f"recorded {written} output documents"
         )
 
 

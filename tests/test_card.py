@@ -51,7 +51,7 @@ def _data_stats(n: int) -> dict:
     return {"documents_in": n, "documents_out": n, "fates": {"kept": n}}
 
 
-TOKENIZE_STATS = {"documents": 4, "tokens": 40, "shards": 2, "by_shard": [
+TOKENIZE_STATS = {"documents_in": 4, "documents_out": 4, "tokens": 40, "shards": 2, "by_shard": [
     {"shard": 0, "documents": 3, "tokens": 30, "sources": {"lit": 2, "py": 1}, "first_rows": [
         {"row": 0, "doc_id": "lit/a", "tokens": 10, "path": "cache:packages/lit/a.txt"},
         {"row": 1, "doc_id": "lit/b", "tokens": 10, "path": "cache:packages/lit/b.txt"},

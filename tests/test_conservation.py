@@ -72,3 +72,57 @@ def test_the_ledger_streams_in_row_groups_and_still_names_a_repeated_id(tmp_path
     led.write()
     with pytest.raises(ConservationError, match=r"stage filter: document id 'doc7' appears twice"):
         led.check(n + 1, n + 1)
+
+
+# every stage that reads all the documents of an input: (that input, its other inputs from the smoke run)
+READERS = {
+    "filter": ("docs", {}),
+    "dedup": ("docs", {}),
+    "decontaminate": ("docs", {"index": "benchmarks"}),
+    "tokenizer": ("docs", {}),
+    "tokenize": ("docs", {"tokenizer": "tokenizer"}),
+    "overlap": ("shards", {"tokenizer": "tokenizer", "index": "benchmarks"}),
+    "mix": ("shards", {"tokenizer": "tokenizer"}),
+    "rung_mix": ("shards", {"tokenizer": "tokenizer"}),
+}
+
+
+def _lying_copy(store: Store, manifest, extra: int):
+    """`manifest`'s artifact committed again into `store` with `extra` more output documents recorded than
+    its files hold."""
+    import shutil
+
+    tmp = store.staging(manifest.stage)
+    for rel in manifest.files:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(manifest.dir / rel, tmp / rel)
+    stats = {**manifest.stats, "documents_out": manifest.stats["documents_out"] + extra}
+    lineage = {"stage": manifest.stage, "config": {}, "inputs": {}, "finished_at": "t", "started_at": "t"}
+    return store.commit(manifest.stage, f"lying{extra}", tmp, stats, lineage)
+
+
+def test_every_reading_stage_is_declared_here():
+    from moeflow.tasks.registry import STAGES
+
+    assert {n: s.reads for n, s in STAGES.items() if s.reads} == {n: r for n, (r, _) in READERS.items()}
+
+
+@pytest.mark.parametrize("stage", sorted(READERS))
+def test_each_reading_stage_checks_its_count_against_its_inputs_record(smoke_run, tmp_path, stage):
+    from moeflow.store.local import Manifest
+
+    path, summary = smoke_run
+    cfg = configs.load(path).model_copy(update={"store": str(tmp_path / "store")})
+    store = Store(cfg.store_path())
+    reads, others = READERS[stage]
+    inputs = {name: Manifest.read(summary["stages"][upstream]["artifact"]) for name, upstream in others.items()}
+    if reads == "docs":  # a small documents table: the stage runs in seconds
+        inputs["docs"] = _docs_artifact(store, 3, 4)
+    else:
+        inputs["shards"] = _lying_copy(store, Manifest.read(summary["stages"]["tokenize"]["artifact"]), 1)
+    read = 3 if reads == "docs" else inputs["shards"].stats["documents_out"] - 1
+    with pytest.raises(ConservationError, match=rf"stage {stage}: read {read} documents, but its input "
+                                                rf"\w+-{inputs[reads].hash} recorded {read + 1} output"):
+        materialize(stage, cfg, inputs)
+    published = {str(p) for p in (tmp_path / "store" / stage).glob(f"{stage}-*")} - {inputs[reads].path}
+    assert not published, "nothing may be published"

@@ -236,7 +236,7 @@ def test_overlap_shards_joined_equal_the_unsharded_check(index_dir, tmp_path):
     whole.mkdir()
     cfg = {"ngram": DecontamConfig().ngram}
     expected = contamination.overlap(DecontamConfig(), store_dir, tok_dir, index_dir, whole)
-    assert expected["remaining"]["gsm8k"]["documents"] == 3 and expected["documents_checked"] == 17
+    assert expected["remaining"]["gsm8k"]["documents"] == 3 and expected["documents_in"] == 17
     joined, stats = join_parts(tmp_path / "parts", 3, lambda out, part: contamination.overlap(
         DecontamConfig(), store_dir, tok_dir, index_dir, out, part), contamination.overlap_merge, cfg)
     assert stats.pop("shards") == 3 and stats == expected

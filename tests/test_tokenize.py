@@ -84,7 +84,7 @@ def test_store_round_trips_text_and_shards(built, docs):
     tok_dir, store_dir, stats = built
     tok = tokenizer.load(tok_dir)
     tokens = store.read_tokens(store_dir)
-    assert stats["shards"] > 1 and stats["documents"] == 30
+    assert stats["shards"] > 1 and stats["documents_in"] == stats["documents_out"] == 30
     for doc in iter_docs(docs):
         assert tok.decode(tokens[doc["id"]].tolist(), skip_special_tokens=False) == doc["text"]
     index = pq.read_table(store_dir / store.INDEX).to_pylist()

@@ -202,6 +202,7 @@ def run(
     _write_all(out, store_dir, eos, vocab, all_segments, phase_col, ho_segs, ho_domains)
     per_domain = _per_domain(all_segments, index)
     return {
+        "documents_in": len(index),
         "seed": seed,
         "batch_size": batch_size,
         "seq_len": last,

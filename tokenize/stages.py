@@ -21,16 +21,18 @@ def _mix_config(c: RunConfig) -> dict:
     return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}
 
 
-TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files)
+TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files,
+                  reads="docs")
 TOKENIZE = Stage(
     "tokenize",
     lambda c: c.tokenizer,
     token_store.stage,
     ("tokenizers", "pyarrow", "zstandard"),
+    reads="docs",
     phases=(Phase("encode", token_store.encode_part, record_shards),),
     merge=token_store.merge,
 )
-MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow"))
+MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow"), reads="shards")
 # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card never takes a
 # rung's mix for the target's)
-RUNG_MIX = Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow"))
+RUNG_MIX = Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow"), reads="shards")

@@ -9,6 +9,7 @@ tokens are concatenated.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 from moeflow.configs import TokenizerConfig
 from moeflow.core.documents import count_docs, iter_docs
 from moeflow.core.progress import tqdm
+from moeflow.store.format import MANIFEST
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 INDEX = "index.parquet"
@@ -70,9 +72,11 @@ def run(cfg: TokenizerConfig, docs_dir: Path, tokenizer_dir: Path, out: Path) ->
     documents' raw files (what the card's drill-down shows, from the lineage record alone)."""
     tok = load_tokenizer(tokenizer_dir)
     packer = Packer(out, token_type(tok.get_vocab_size()), cfg.shard_tokens)
+    read = 0
     for row, tokens in encoded(tok, docs_dir, (0, 1)):
         packer.add(row["id"], row["source"], row["domain"], row["path"], tokens)
-    return packer.close()
+        read += 1
+    return {"documents_in": read, **packer.close()}
 
 
 def encoded(tok, docs_dir: Path, part: tuple[int, int]):
@@ -117,9 +121,11 @@ def _part_table(rows: list[tuple[dict, np.ndarray]], schema: pa.Schema) -> pa.Ta
 
 
 def merge(cfg: TokenizerConfig, prior: dict[str, list[Path]], out: Path) -> dict:
-    """Pack the `encode` parts, in order, into the store's shards: the same bytes as one process makes."""
-    packer = None
+    """Pack the `encode` parts, in order, into the store's shards: the same bytes as one process makes.
+    What the parts read is what they recorded (each part's manifest)."""
+    packer, read = None, 0
     for part in prior["encode"]:
+        read += json.loads((part / MANIFEST).read_text())["stats"]["documents"]
         with pa.memory_map(str(part / "tokens.arrow")) as src:
             reader = pa.ipc.open_file(src)
             if packer is None:
@@ -130,7 +136,7 @@ def merge(cfg: TokenizerConfig, prior: dict[str, list[Path]], out: Path) -> dict
                 columns = (batch.column(k).to_pylist() for k in PART_SCHEMA.names)
                 for i, (doc_id, source, domain, path) in enumerate(zip(*columns)):
                     packer.add(doc_id, source, domain, path, toks[i].values.to_numpy())
-    return {**packer.close(), "parts": len(prior["encode"])}
+    return {"documents_in": read, **packer.close(), "parts": len(prior["encode"])}
 
 
 class Packer:
@@ -191,7 +197,7 @@ class Packer:
         for s in self.shards:
             s["sources"] = dict(sorted(s["sources"].items()))
         return {
-            "documents": sum(s["documents"] for s in self.shards),
+            "documents_out": sum(s["documents"] for s in self.shards),
             "tokens": sum(s["tokens"] for s in self.shards),
             "shards": len(self.shards),
             "tokens_per_domain": dict(sorted(self.per_domain.items())),

