@@ -11,8 +11,8 @@ from pathlib import Path
 import xxhash
 
 from moeflow.configs import SourceConfig
+from moeflow.core import faults, progress
 from moeflow.core import ledger as ledgers
-from moeflow.core import progress
 from moeflow.core.documents import DocWriter, iter_docs, join
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
@@ -67,6 +67,7 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
                 stats["kept"] += 1
                 stats["bytes"] += len(text.encode("utf-8"))
             stats["changed"] += _changed(rs, unit, before)
+            faults.reached(bar.n, bar.total)  # `make chaos`: a kill point by bytes read
         n_out = writer.count
     ledger.write()
     return {**ledger.check(n_in, n_out, unique=False), "sources": per_source}

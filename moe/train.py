@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.core import faults
 from moeflow.moe import checkpoint, device, ladder, parallel
 from moeflow.moe.alarms import Alarms, Monitor
 from moeflow.moe.data import Sequences
@@ -115,6 +116,7 @@ class Trainer:
                 s = self.train_step(i)
                 self.log(s)
                 self.checkpoint_if_due(s.number)
+                faults.reached(i + 1, self.cfg.steps)  # `make chaos`: a kill point by steps
         return self.finish()
 
     def resume(self) -> int | None:

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moeflow.configs import RunConfig
+from moeflow.core import faults
 from moeflow.core.ledger import ConservationError
 from moeflow.core.stage import Phase, Stage
 from moeflow.lineage import code, keys, openlineage, record
@@ -120,7 +121,10 @@ def materialize(
         if existing is not None and not force:
             log.info("%s: reusing %s (built by a concurrent run)", name, existing.path)
             return existing
-        manifest = _build(stage, name, key, key_record, store, cfg, inputs, part, prior)
+        phase = part[0] if part is not None else "join" if prior else None
+        with faults.building(stage.name, phase, part[1] if part is not None else None):
+            manifest = _build(stage, name, key, key_record, store, cfg, inputs, part, prior)
+            faults.at("committed")
     openlineage.emit(store.root, manifest.lineage())
     log.info("%s: wrote %s", name, manifest.path)
     return manifest
@@ -235,6 +239,7 @@ def _build(
     earlier = [m for ms in (prior or {}).values() for m in ms]
     for manifest in [m for _, m in sorted(inputs.items())] + earlier:  # a flipped byte or a cut
         manifest.verify()  # file upstream fails here, named
+    faults.at("inputs")
     lineage = _lineage(stage, name, cfg, inputs, store, key_record)
     tmp = store.staging(name)
     work = store.folder(name, key).with_name(f".{name}-{key}.work") if stage.resumable else None
@@ -242,6 +247,7 @@ def _build(
     t0 = time.perf_counter()
     try:
         stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
+        faults.at("written")
         lineage.update(
             {
                 "started_at": started.isoformat(timespec="seconds"),

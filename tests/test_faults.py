@@ -18,7 +18,6 @@ import pytest
 
 from helpers import write_config
 
-CHAOS_STAGES = ("ingest", "filter", "dedup", "decontaminate", "tokenize", "mix", "train")
 DETERMINISTIC = (
     "ingest",
     "filter",
@@ -33,12 +32,13 @@ DETERMINISTIC = (
 )
 
 
-def _start(config: Path, *args: str, preexec_fn=None) -> subprocess.Popen:
+def _start(config: Path, *args: str, preexec_fn=None, env: dict | None = None) -> subprocess.Popen:
     """`moeflow run CONFIG ARGS` against the session's server, in its own process group, output merged;
-    `preexec_fn` runs in the child before it execs (a resource limit, joining a cgroup)."""
+    `preexec_fn` runs in the child before it execs (a resource limit, joining a cgroup); `env` adds to its
+    environment."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), **(env or {})}
     return subprocess.Popen(
         [
             sys.executable,
@@ -139,12 +139,28 @@ def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
     assert cards[0] == cards[1]
 
 
+# `make chaos`: every stage and phase the smoke preset builds, each at named points of the runner
+# (`core.faults`): after its inputs are verified, halfway through its records, after its files are
+# written (no manifest), after it is published (not yet in the run record); then seeded fractions
+KILL_POINTS = (
+    "ingest.shard@half", "ingest.join@written",
+    "filter@half", "filter@committed",
+    "dedup.sign@half", "dedup.pairs@written", "dedup.clusters@inputs", "dedup.join@committed",
+    "decontaminate@half",
+    "tokenize@half", "tokenize@written",
+    "mix@written",
+    "train@half", "train@committed",
+)
+SEEDED = ("ingest", "train")  # a fraction drawn from the seed: points between the named ones
+
+
 def _kill_inside(
     proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300,
     staging: str = "",
 ) -> bool:
     """SIGKILL the run's process group at a random moment once `stage` is building (a folder
-    `.<stage>-<staging>...` is in `store/stage`); False if it never was."""
+    `.<stage>-<staging>...` is in `store/stage`); False if it never was. (The object-store chaos test's
+    polling kill; the named points above replace it here.)"""
     folder = store / stage
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -161,14 +177,20 @@ def _kill_inside(
     return False
 
 
-@pytest.mark.chaos
-@pytest.mark.parametrize("stage", CHAOS_STAGES)
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, tmp_path, stage, seed):
+def _killed_at(proc: subprocess.Popen, spec: str, timeout: float = 600) -> str:
+    """The run's output, once it has SIGKILLed its own process group at `spec`; a run that ended any other
+    way fails here with its own log."""
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != -signal.SIGKILL or f"MOEFLOW_FAULT={spec}: SIGKILL" not in out:
+        pytest.fail(f"the run was to kill itself at {spec} but exited with status {proc.returncode}; "
+                    f"its log:\n{out[-6000:]}")
+    return out
+
+
+def _kill_then_rerun(reference: Path, tmp_path: Path, spec: str) -> None:
     store = tmp_path / "store"
     config = write_config(tmp_path / "smoke.yaml", store=str(store))
-    killed = _kill_inside(_start(config), store, stage, random.Random(seed))
-    assert killed, f"the run never reached {stage}"
+    _killed_at(_start(config, env={"MOEFLOW_FAULT": spec}), spec)
     before = {s: [a["artifact"]["hash"] for a in arts] for s, arts in _artifacts(store).items()}
     for arts in _artifacts(store).values():  # nothing half-written was published
         for a in arts:
@@ -181,6 +203,21 @@ def test_sigkill_inside_a_stage_then_rerun_gives_the_same_artifacts(reference, t
     for s, hashes in before.items():  # finished stages were reused, not redone
         if s in summary and summary[s]["hash"] in hashes:
             assert summary[s]["reused"], s
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("spec", KILL_POINTS)
+def test_sigkill_at_a_named_point_then_rerun_gives_the_same_artifacts(reference, tmp_path, spec):
+    _kill_then_rerun(reference, tmp_path, spec)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("stage", SEEDED)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_at_a_seeded_point_then_rerun_gives_the_same_artifacts(reference, tmp_path, stage, seed):
+    fraction = round(random.Random(seed).uniform(0.05, 0.95), 3)
+    print(f"seed {seed}: {stage} killed at {fraction} of its records")
+    _kill_then_rerun(reference, tmp_path, f"{stage}@{fraction}")
 
 
 def test_every_artifact_catches_a_flipped_byte_and_a_cut_file(smoke_run, tmp_path):
