@@ -9,7 +9,7 @@
 - `committed`: the artifact is published, the run has not recorded it.
 At the point the process prints what it kills, then SIGKILLs its own process group (the run and its pool
 workers); `MOEFLOW_FAULT_SCOPE=process` kills only this process (a Ray or Dask worker mid-part).
-Unset (the default), every point is one dictionary lookup and returns.
+Unset (the default), the variable is read once per build and every point is one comparison.
 """
 
 from __future__ import annotations
@@ -51,26 +51,26 @@ def parse(text: str) -> Fault:
     return Fault(m["stage"], m["phase"], part, "fraction" if fraction is not None else where, fraction)
 
 
-_building: tuple[str, str | None, int | None] | None = None  # what this process builds now
+_armed: Fault | None = None  # the fault armed for what this process builds now
 
 
 @contextmanager
 def building(stage: str, phase: str | None = None, part: int | None = None) -> Iterator[None]:
-    """Mark what this process is building (the runner does, around a stage's or a part's build)."""
-    global _building
-    before, _building = _building, (stage, phase, part)
+    """Mark what this process is building (the runner does, around a stage's or a part's build): the
+    variable is read here, once, and the points inside see whether it names this build."""
+    global _armed
+    before, _armed = _armed, _matching(stage, phase, part)
     try:
         yield
     finally:
-        _building = before
+        _armed = before
 
 
-def _armed() -> Fault | None:
+def _matching(stage: str, phase: str | None, part: int | None) -> Fault | None:
     text = os.environ.get(ENV)
-    if not text or _building is None:
+    if not text:
         return None
     f = parse(text)
-    stage, phase, part = _building
     if f.stage != stage or f.phase not in (None, phase) or f.part not in (None, part):
         return None
     return f
@@ -78,14 +78,13 @@ def _armed() -> Fault | None:
 
 def at(point: str) -> None:
     """A named point: kill here when it is the armed one."""
-    f = _armed()
-    if f is not None and f.where == point:
+    if _armed is not None and _armed.where == point:
         _kill(point)
 
 
 def reached(done: float, total: float) -> None:
     """The body has done `done` of `total` records: kill here when that passes the armed fraction."""
-    f = _armed()
+    f = _armed
     if f is not None and f.fraction is not None and total > 0 and done >= f.fraction * total:
         _kill(f"{done:g} of {total:g} ({f.fraction:g})")
 

@@ -88,6 +88,7 @@ def test_unset_every_point_returns_before_parsing_anything(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     faults.parse.cache_clear()
     with faults.building("dedup", "sign", 0):
+        monkeypatch.setenv(faults.ENV, "dedup@inputs")  # read once, when the build began: not armed
         for i in range(1000):
             faults.at("inputs")
             faults.reached(i, 10)
