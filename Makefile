@@ -51,8 +51,8 @@ browser:
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; }; } || \
 	  echo "chromium is not installed and cannot be here: the browser test will be skipped"
 
-# fault tolerance: SIGKILL inside each stage (two seeds each), rerun, compare with an uninterrupted run;
-# also with the store on a local S3 server
+# fault tolerance: each stage and phase kills itself at named points and seeded fractions (core/faults.py),
+# a rerun must give the uninterrupted run's artifacts; also with the store on a local S3 server
 chaos: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py tests/test_objstore.py
