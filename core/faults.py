@@ -8,7 +8,8 @@
 - `written`: the body has written its files, no manifest yet;
 - `committed`: the artifact is published, the run has not recorded it.
 At the point the process prints what it kills, then SIGKILLs its own process group (the run and its pool
-workers); `MOEFLOW_FAULT_SCOPE=process` kills only this process (a Ray or Dask worker mid-part).
+workers); `MOEFLOW_FAULT_SCOPE=process` kills only this process (a Ray or Dask worker mid-part), and
+`MOEFLOW_FAULT_ONCE=FILE` fires only where FILE does not exist yet, creating it (so a retried part runs).
 Unset (the default), the variable is read once per build and every point is one comparison.
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-ENV, SCOPE_ENV = "MOEFLOW_FAULT", "MOEFLOW_FAULT_SCOPE"
+ENV, SCOPE_ENV, ONCE_ENV = "MOEFLOW_FAULT", "MOEFLOW_FAULT_SCOPE", "MOEFLOW_FAULT_ONCE"
 NAMED = ("inputs", "written", "committed")
 _SPEC = re.compile(r"^(?P<stage>[a-z_]+)(\.(?P<phase>[a-z_]+))?(:(?P<part>\d+))?@(?P<where>[a-z]+|0?\.\d+)$")
 
@@ -90,6 +91,12 @@ def reached(done: float, total: float) -> None:
 
 
 def _kill(where: str) -> None:
+    once = os.environ.get(ONCE_ENV)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # fired already: this is the retry
     whole = os.environ.get(SCOPE_ENV, "group") != "process"
     sys.stderr.write(f"{ENV}={os.environ[ENV]}: SIGKILL to {'process group' if whole else 'process'} "
                      f"{os.getpgrp() if whole else os.getpid()} at {where}\n")

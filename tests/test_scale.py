@@ -74,6 +74,21 @@ def ray_cluster(s3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dask_cluster():
     """`dask scheduler` on 127.0.0.1 and two `dask worker` processes (one thread each)."""
+    yield from _dask(os.environ)
+
+
+@pytest.fixture
+def dask_cluster_killing_a_worker(tmp_path):
+    """A Dask cluster whose workers kill themselves once, halfway through part 1 of the filter's shards
+    (`core.faults`; the nanny starts a new worker and the scheduler hands it the part again)."""
+    marker = tmp_path / "fired"
+    env = {**os.environ, "MOEFLOW_FAULT": "filter.shard:1@half", "MOEFLOW_FAULT_SCOPE": "process",
+           "MOEFLOW_FAULT_ONCE": str(marker)}
+    for address, _workers in _dask(env):
+        yield address, marker
+
+
+def _dask(env):
     dask = shutil.which("dask", path=str(Path(sys.executable).parent))
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -89,6 +104,7 @@ def dask_cluster():
             [dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", f"w{i}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         for i in range(2)
     ]
@@ -177,3 +193,11 @@ def test_data_stages_on_a_dask_cluster_equal_the_process_pool(pooled, dask_clust
     run = _run_on(tmp_path, runner="dask", dask_address=address)
     _assert_same_artifacts(run, pooled)
     assert all(h["dask_worker"] in workers for h in _shard_hosts(run))
+
+
+def test_a_dask_worker_killed_mid_part_is_replaced_and_the_artifacts_equal_the_process_pool(
+        pooled, dask_cluster_killing_a_worker, tmp_path):
+    address, marker = dask_cluster_killing_a_worker
+    run = _run_on(tmp_path, runner="dask", dask_address=address)
+    assert marker.exists(), "no worker reached its kill point"
+    _assert_same_artifacts(run, pooled)
