@@ -2,8 +2,13 @@
 
 Layout as in a local store: `<url>/<stage>/<stage>-<hash>/manifest.json`. Publishing: the files go
 under a fresh prefix of the artifact (`data-<id>/`), then the manifest, naming that prefix and every
-file's size and xxh3, is written last: it is the commit marker, one PUT, so a killed writer leaves
-nothing a reader accepts. Build locks are lease objects made with create-if-absent, renewed by a
+file's size and xxh3, is written last: it is the commit marker, one conditional PUT (only over the
+manifest the writer saw when it took the build lease: `lease.put_if`), so a killed writer leaves nothing
+a reader accepts and a writer whose lease lapsed cannot commit over another's. A prefix no manifest
+names any more (a rerun's predecessor, a killed writer's) is marked (`.superseded/data-<id>`) and
+removed by a later publish of that artifact once `MOEFLOW_GRACE_SECONDS` (default a day) have passed,
+so a reader of the old manifest finishes; one that still loses the race gets an `ArtifactError` saying
+so. Build locks are lease objects made with create-if-absent, renewed by a
 heartbeat and lapsing when their holder dies (`Lease`). Stage bodies read a node-local mirror laid
 out like a local store, filled as artifacts are needed, each file verified as it arrives and kept
 while the artifact's content hash stays the same. Credentials come from the environment and fsspec's
@@ -15,16 +20,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from moeflow.store.format import MANIFEST, ORIGIN, ArtifactError
-from moeflow.store.lease import Lease
+from moeflow.store.lease import Lease, LeaseLost, Superseded, put_if, version
 from moeflow.store.local import Manifest, Store, seal
 from moeflow.store.mirror import Mirror, replace_folder
 
 log = logging.getLogger(__name__)
+SUPERSEDED = ".superseded"  # <artifact>/.superseded/data-<id>: since when no manifest names that prefix
+
+
+def grace_seconds() -> float:
+    """How long superseded data stays readable (`MOEFLOW_GRACE_SECONDS`, default a day)."""
+    return float(os.environ.get("MOEFLOW_GRACE_SECONDS", 86400))
 
 
 class ObjectStore(Mirror):
@@ -32,7 +45,7 @@ class ObjectStore(Mirror):
 
     def __init__(self, url: str):
         super().__init__(url)
-        self._leases: dict[tuple[str, str], Lease] = {}
+        self._leases: dict[tuple[str, str], tuple[Lease, str | None]] = {}  # held: lease, manifest version
 
     def get(self, stage: str, key: str) -> Manifest | None:
         try:
@@ -58,7 +71,7 @@ class ObjectStore(Mirror):
         """Hold the artifact's build lease: two runs (on any nodes) that need it build it once."""
         lease = Lease(self.fs, self._path(stage, ".leases", f"{stage}-{key}"))
         with lease:
-            self._leases[stage, key] = lease
+            self._leases[stage, key] = lease, version(self.fs, self._path(stage, f"{stage}-{key}", MANIFEST))
             try:
                 yield
             finally:
@@ -76,29 +89,54 @@ class ObjectStore(Mirror):
     staging = Store.staging  # a local folder in the mirror: the stage body writes there, then `commit`
 
     def commit(self, stage: str, key: str, tmp: Path, stats: dict, lineage: dict) -> Manifest:
-        """Upload `tmp` under a fresh prefix, then write the manifest (the commit marker); `tmp` becomes
-        this node's mirror of the artifact."""
+        """Upload `tmp` under a fresh prefix, then write the manifest (the commit marker) if no other writer
+        published since this one took the lease (or, without one, since it began); `tmp` becomes this
+        node's mirror of the artifact."""
         name = f"{stage}-{key}"
+        target = self._path(stage, name, MANIFEST)
+        lease, base = self._leases.get((stage, key)) or (None, version(self.fs, target))
         data = f"data-{uuid.uuid4().hex[:12]}"
         manifest = seal(stage, key, tmp, stats, lineage, f"{self.url}/{stage}/{name}/{data}")
         local = [p for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MANIFEST]
         self.fs.put([str(p) for p in local], [self._path(stage, name, data, p.relative_to(tmp).as_posix())
                                               for p in local])
-        lease = self._leases.get((stage, key))
-        if lease is not None:
-            lease.check()  # a holder whose lease lapsed (a long pause) must not publish over the new one
-        self.fs.pipe_file(self._path(stage, name, MANIFEST), (tmp / MANIFEST).read_bytes())
-        self._drop_stale(stage, name, keep=data)
+        try:
+            if lease is not None:
+                lease.settle()  # from here `check` and the conditional write decide, not an interrupt
+                lease.check()  # a holder whose lease lapsed (a long pause) must not publish over the new one
+            put_if(self.fs, target, (tmp / MANIFEST).read_bytes(), base)
+        except (LeaseLost, Superseded) as e:
+            with contextlib.suppress(Exception):  # no manifest names this build's prefix
+                self.fs.rm(self._path(stage, name, data), recursive=True)
+            if isinstance(e, Superseded):
+                raise ArtifactError(f"{self.url}/{stage}/{name} was published by another writer while this "
+                                    "one built it (this writer's build lease had lapsed); nothing of this build "
+                                    "was published: run again (it reuses that artifact)") from None
+            raise
+        self._sweep(stage, name, keep=data)
         replace_folder(tmp, self.folder(stage, key))
         return manifest
 
-    def _drop_stale(self, stage: str, name: str, keep: str) -> None:
-        """Data prefixes no manifest names: an older version's, or a killed writer's."""
+    def _sweep(self, stage: str, name: str, keep: str) -> None:
+        """Data prefixes no manifest names (an older version's, a killed writer's): marked when first seen,
+        removed once marked for `grace_seconds()`."""
+        now, grace = time.time(), grace_seconds()
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(stage, name, SUPERSEDED, keep))  # named now, whatever a racing writer marked
         for path in self.fs.ls(self._path(stage, name), detail=False, refresh=True):
             leaf = PurePosixPath(path).name
-            if leaf.startswith("data-") and leaf != keep:
+            if not leaf.startswith("data-") or leaf == keep:
+                continue
+            mark = self._path(stage, name, SUPERSEDED, leaf)
+            try:
+                since = float(self.fs.cat_file(mark))
+            except FileNotFoundError:
+                since = now
+                self.fs.pipe_file(mark, str(now).encode())
+            if now - since >= grace:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(path, recursive=True)
+                    self.fs.rm(mark)
 
     def runs(self) -> list[dict]:
         """The run records, oldest first (by the store's modification time)."""
