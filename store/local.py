@@ -173,6 +173,14 @@ class Store:
         paths = sorted((self.root / "runs").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
         return [json.loads(p.read_text()) for p in paths]
 
+    def run(self, flow_run_id: str) -> dict:
+        """One run's record, read from the store (wherever the run ran)."""
+        try:
+            return json.loads((self.root / "runs" / f"{flow_run_id}.json").read_text())
+        except FileNotFoundError:
+            raise ArtifactError(f"the store {self.root} has no record of flow run {flow_run_id}: did the run "
+                                "use another store (`store:` in its config, MOEFLOW_STORE)?") from None
+
     def record_run(self, summary: dict) -> None:
         runs = self.root / "runs"
         runs.mkdir(parents=True, exist_ok=True)

@@ -146,12 +146,18 @@ class ObjectStore(Mirror):
             return [json.loads(self.fs.cat_file(e["name"])) for e in listing if e["name"].endswith(".json")]
         return []
 
+    def run(self, flow_run_id: str) -> dict:
+        """One run's record, read from the object store (the mirror of the node that ran it may be gone:
+        another node's, or a scratch one with `MOEFLOW_STORE_CACHE=none`)."""
+        try:
+            return json.loads(self.fs.cat_file(self._path("runs", f"{flow_run_id}.json")))
+        except FileNotFoundError:
+            raise ArtifactError(f"the store {self.url} has no record of flow run {flow_run_id}: did the run "
+                                "use another store (`store:` in its config, MOEFLOW_STORE)?") from None
+
     def record_run(self, summary: dict) -> None:
-        text = json.dumps(summary, indent=2)
-        self.fs.pipe_file(self._path("runs", f"{summary['flow_run_id']}.json"), text.encode())
-        runs = self.root / "runs"  # and in the mirror, where `moeflow run` prints it from
-        runs.mkdir(parents=True, exist_ok=True)
-        (runs / f"{summary['flow_run_id']}.json").write_text(text)
+        self.fs.pipe_file(self._path("runs", f"{summary['flow_run_id']}.json"),
+                          json.dumps(summary, indent=2).encode())
 
 def ensure_file(folder: Path, rel: str) -> Path:
     """`folder/rel` for a folder of a mirror (`<mirror>/<stage>/<stage>-<hash>`), from its store."""
@@ -161,3 +167,4 @@ def ensure_file(folder: Path, rel: str) -> Path:
     if manifest is None:
         raise ArtifactError(f"{store.url}/{stage}/{folder.name} has no {MANIFEST}: not a complete artifact")
     return store.pull_file(manifest, rel)
+

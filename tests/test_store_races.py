@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -216,3 +219,35 @@ def test_a_reader_downloading_while_a_forced_rerun_publishes_gets_the_old_bytes_
     else:
         assert isinstance(out.get("error"), ArtifactError), out
         assert "was replaced (a rerun published a new version of mix-k)" in str(out["error"])
+
+
+def test_a_run_record_is_read_back_from_the_store_by_a_process_without_a_mirror(s3, tmp_path):
+    """`moeflow up` with an object store and `MOEFLOW_STORE_CACHE=none`: the worker's process records the run
+    (its scratch mirror goes when it exits), then the CLI's process reads the record back, as `up` does."""
+    url = f"{_bucket(s3)}/store"
+    env = {**os.environ, "MOEFLOW_STORE_CACHE": "none", "MOEFLOW_STORE": url}
+    worker = ("from moeflow.store.url import store_for; import sys; store_for(sys.argv[1]).record_run("
+              "{'flow_run_id': 'run-1', 'config': 'smoke', 'card': 'README.md', 'stages': {}})")
+    done = subprocess.run([sys.executable, "-c", worker, url], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    cli = ("from moeflow import configs; from moeflow.store.url import store_for; "
+           "print(store_for(configs.load('smoke').store_url()).run('run-1')['card'])")
+    read = subprocess.run([sys.executable, "-c", cli], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.strip() == "README.md"
+    missing = subprocess.run([sys.executable, "-c", cli.replace("run-1", "run-2")], env=env,
+                             capture_output=True, text=True)
+    assert "has no record of flow run run-2" in missing.stderr and "ArtifactError" in missing.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.check
+def test_moeflow_up_on_an_object_store_without_a_mirror_prints_the_card(s3, smoke_data, tmp_path):
+    """The real thing: `moeflow up smoke` with `MOEFLOW_STORE=s3://...` and `MOEFLOW_STORE_CACHE=none` runs the
+    smoke deployment through a server and worker and ends printing the card path, exit 0."""
+    url = f"{_bucket(s3)}/up"
+    env = {**os.environ, "MOEFLOW_STORE_CACHE": "none", "MOEFLOW_STORE": url}
+    up = subprocess.run([sys.executable, "-m", "moeflow.cli", "up", "smoke", "--home", str(tmp_path / "home")],
+                        env=env, capture_output=True, text=True, timeout=1200)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert up.stdout.strip().splitlines()[-1].endswith("README.md"), up.stdout[-2000:]
