@@ -87,7 +87,17 @@ class Manifest:
         folder = self.dir
         for rel, meta in self.files.items():
             if not matches(folder / rel, meta):
-                raise corrupt(folder / rel, folder / MANIFEST, self.stage)
+                raise self._replaced(folder) or corrupt(folder / rel, folder / MANIFEST, self.stage)
+
+    def _replaced(self, folder: Path) -> ArtifactError | None:
+        """The error for a local artifact that a rerun replaced since this manifest was read, if it was."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            now = json.loads((folder / MANIFEST).read_text())["content_hash"]
+            if now != self.content_hash:
+                return ArtifactError(f"{folder} was replaced (a rerun published a new version of {self.name}, "
+                                     f"content {self.content_hash} -> {now}) while this reader held the old "
+                                     "manifest: read the artifact again (run again: it reuses the new one)")
+        return None
 
 
 class Store:

@@ -22,7 +22,7 @@ import pytest
 
 from moeflow.store.format import ArtifactError
 from moeflow.store.lease import Lease
-from moeflow.store.local import Manifest
+from moeflow.store.local import Manifest, Store
 from moeflow.store.remote import ObjectStore
 
 
@@ -220,6 +220,19 @@ def test_a_reader_downloading_while_a_forced_rerun_publishes_gets_the_old_bytes_
         assert isinstance(out.get("error"), ArtifactError), out
         assert "was replaced (a rerun published a new version of mix-k)" in str(out["error"])
 
+
+def test_a_local_reader_of_an_artifact_a_rerun_replaced_is_told_so(tmp_path):
+    """In a local store a rerun swaps the artifact's folder in place: a reader still holding the old manifest
+    gets an error saying the artifact was replaced, not one calling it corrupt."""
+    store = Store(tmp_path / "store")
+    made = []
+    for seed in (1, 2):
+        tmp = store.staging("mix")
+        _write(tmp, 2, 100, seed)
+        made.append(store.commit("mix", "k", tmp, {}, {"stage": "mix"}))
+    with pytest.raises(ArtifactError, match=r"was replaced \(a rerun published a new version of mix-k"):
+        made[0].verify()
+    made[1].verify()
 
 def test_a_run_record_is_read_back_from_the_store_by_a_process_without_a_mirror(s3, tmp_path):
     """`moeflow up` with an object store and `MOEFLOW_STORE_CACHE=none`: the worker's process records the run
