@@ -94,7 +94,7 @@ class Mirror:
         if _current(folder, manifest):
             return folder
         folder.parent.mkdir(parents=True, exist_ok=True)
-        with _flock(folder.with_name(f".{folder.name}.pull")):
+        with node_lock(folder.with_name(f".{folder.name}.pull")):
             if _current(folder, manifest):
                 return folder
             tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-pull-", dir=folder.parent))
@@ -177,7 +177,7 @@ def replace_folder(tmp: Path, folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def node_lock(path: Path) -> Iterator[None]:
     """A node-local lock: two processes on one node pull an artifact once."""
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

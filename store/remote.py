@@ -21,10 +21,14 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
+
+import fsspec
 
 from moeflow.store.format import MANIFEST, ORIGIN, ArtifactError
 from moeflow.store.lease import Lease, LeaseLost, Superseded, put_if, version
@@ -168,3 +172,57 @@ def ensure_file(folder: Path, rel: str) -> Path:
         raise ArtifactError(f"{store.url}/{stage}/{folder.name} has no {MANIFEST}: not a complete artifact")
     return store.pull_file(manifest, rel)
 
+
+class SharedFolder:
+    """A folder of this node's mirror (`<mirror>/<stage>/<name>`) kept in its object store as well, so that the
+    other nodes of a multi-node launch read it through the store: the launch spec, training checkpoints."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        store, stage, name = self.url.rsplit("/", 2)
+        self.fs, self.base = fsspec.url_to_fs(self.url)
+        self.local = Mirror(store).root / stage / name
+
+    @classmethod
+    def of(cls, folder: Path) -> SharedFolder | None:
+        """The shared folder for a folder of an object store's mirror; None for any other (a local store's
+        folder is shared, if at all, by the filesystem)."""
+        origin = Path(folder).parent.parent / ORIGIN
+        if not origin.exists():
+            return None
+        return cls(f"{origin.read_text()}/{Path(folder).parent.name}/{Path(folder).name}")
+
+    def names(self, rel: str) -> list[str]:
+        """The entries directly under `rel` in the store, sorted."""
+        with contextlib.suppress(FileNotFoundError):
+            return sorted(PurePosixPath(p).name for p in self.fs.ls(f"{self.base}/{rel}", detail=False,
+                                                                    refresh=True))
+        return []
+
+    def put(self, rel: str, last: str | None = None) -> None:
+        """Upload `local/rel` (a file or a folder) to the store; in a folder, the file named `last` goes last
+        (the marker that says the folder is complete)."""
+        src = self.local / rel
+        files = [src] if src.is_file() else sorted((p for p in src.rglob("*") if p.is_file()),
+                                                   key=lambda p: (p.name == last, str(p)))
+        for p in files:  # one by one: `last` must not land before the rest
+            self.fs.put_file(str(p), f"{self.base}/{p.relative_to(self.local).as_posix()}")
+
+    def get(self, rel: str) -> Path:
+        """Download the folder `rel` from the store into `local/rel`, replacing what is there."""
+        names = self.fs.find(f"{self.base}/{rel}")
+        if not names:
+            raise ArtifactError(f"{self.url}/{rel} is not in the store")
+        dest = self.local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-get-", dir=dest.parent))
+        try:
+            self.fs.get(names, [str(tmp / PurePosixPath(n).relative_to(f"{self.base}/{rel}")) for n in names])
+            replace_folder(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    def remove(self, rel: str = "") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(f"{self.base}/{rel}".rstrip("/"), recursive=True)
