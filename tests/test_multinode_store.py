@@ -37,13 +37,15 @@ def _two_nodes(mix, work: Path, out: Path, node1_mirror: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
-    thread = threading.Thread(target=node0)
+    thread = threading.Thread(target=node0, daemon=True)  # waits for node 1 at the rendezvous
     thread.start()
+    spec = f"{shared.base}/{launch.SPEC}"
     for _ in range(600):  # the spec is in the store once node 0 has shared its checkpoint
         shared.fs.invalidate_cache()
-        if shared.fs.exists(f"{shared.base}/{launch.SPEC}") or not thread.is_alive():
+        if shared.fs.exists(spec) or not thread.is_alive():
             break
         time.sleep(0.1)
+    assert shared.fs.exists(spec), f"node 0 put no launch spec in the store ({result})"
     cmd = [a.replace("--node-rank=0", "--node-rank=1") for a in launch.command(cfg, f"{shared.url}/{launch.SPEC}")]
     node1 = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "MOEFLOW_STORE_CACHE": str(node1_mirror)})
