@@ -116,8 +116,9 @@ def _card(args) -> int:
 
 def _up(args) -> int:
     from moeflow import configs
+    from moeflow.store.url import store_for
 
-    store = configs.load(args.preset).store_path()
+    store = store_for(configs.load(args.preset).store_url())  # the record is read from the store itself
     home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
     LocalStack.stop_kept(home)  # a stack an earlier `up --keep` left in this home
     stack = LocalStack(home, ui=True)
@@ -142,8 +143,7 @@ def _up(args) -> int:
     if rc != 0 or run_id is None:
         print(f"moeflow up: the flow run failed (exit {rc}); see {home / 'worker.log'}", file=sys.stderr)
         return rc or 1
-    summary = json.loads((store / "runs" / f"{run_id}.json").read_text())
-    print(summary["card"])
+    print(store.run(run_id)["card"])
     return 0
 
 

@@ -87,7 +87,17 @@ class Manifest:
         folder = self.dir
         for rel, meta in self.files.items():
             if not matches(folder / rel, meta):
-                raise corrupt(folder / rel, folder / MANIFEST, self.stage)
+                raise self._replaced(folder) or corrupt(folder / rel, folder / MANIFEST, self.stage)
+
+    def _replaced(self, folder: Path) -> ArtifactError | None:
+        """The error for a local artifact that a rerun replaced since this manifest was read, if it was."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            now = json.loads((folder / MANIFEST).read_text())["content_hash"]
+            if now != self.content_hash:
+                return ArtifactError(f"{folder} was replaced (a rerun published a new version of {self.name}, "
+                                     f"content {self.content_hash} -> {now}) while this reader held the old "
+                                     "manifest: read the artifact again (run again: it reuses the new one)")
+        return None
 
 
 class Store:
@@ -172,6 +182,14 @@ class Store:
         """The run records (`runs/<flow run id>.json`), oldest first."""
         paths = sorted((self.root / "runs").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))
         return [json.loads(p.read_text()) for p in paths]
+
+    def run(self, flow_run_id: str) -> dict:
+        """One run's record, read from the store (wherever the run ran)."""
+        try:
+            return json.loads((self.root / "runs" / f"{flow_run_id}.json").read_text())
+        except FileNotFoundError:
+            raise ArtifactError(f"the store {self.root} has no record of flow run {flow_run_id}: did the run "
+                                "use another store (`store:` in its config, MOEFLOW_STORE)?") from None
 
     def record_run(self, summary: dict) -> None:
         runs = self.root / "runs"

@@ -94,13 +94,16 @@ class Mirror:
         if _current(folder, manifest):
             return folder
         folder.parent.mkdir(parents=True, exist_ok=True)
-        with _flock(folder.with_name(f".{folder.name}.pull")):
+        with node_lock(folder.with_name(f".{folder.name}.pull")):
             if _current(folder, manifest):
                 return folder
             tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-pull-", dir=folder.parent))
             try:
                 rels = [*manifest.files, LINEAGE]
-                self.fs.get([self._remote(manifest, r) for r in rels], [str(tmp / r) for r in rels])
+                try:
+                    self.fs.get([self._remote(manifest, r) for r in rels], [str(tmp / r) for r in rels])
+                except FileNotFoundError as e:
+                    raise self._gone(manifest, e) from None
                 for rel, meta in manifest.files.items():
                     if not matches(tmp / rel, meta):
                         raise self._corrupt(manifest, rel)
@@ -119,7 +122,11 @@ class Mirror:
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        self.fs.get_file(self._remote(manifest, rel), str(part))
+        try:
+            self.fs.get_file(self._remote(manifest, rel), str(part))
+        except FileNotFoundError as e:
+            part.unlink(missing_ok=True)
+            raise self._gone(manifest, e) from None
         if rel in manifest.files and not matches(part, manifest.files[rel]):
             part.unlink()
             raise self._corrupt(manifest, rel)
@@ -129,6 +136,20 @@ class Mirror:
     def _remote(self, manifest: Listed, rel: str) -> str:
         _, stage, data = _split(manifest.path)
         return self._path(stage, f"{stage}-{manifest.hash}", data, rel)
+
+    def _gone(self, manifest: Listed, error: FileNotFoundError) -> ArtifactError:
+        """A file of the manifest's data prefix is missing: a rerun replaced the artifact while this reader
+        held the old manifest (longer than the grace period superseded data is kept), or the store lost it."""
+        try:
+            now = json.loads(self.fs.cat_file(self._url(manifest, MANIFEST)))
+        except FileNotFoundError:
+            now = {}
+        if now.get("path", "").rsplit("/", 1)[-1] == manifest.path.rsplit("/", 1)[-1]:
+            return self._corrupt(manifest, str(error.args[-1] if error.args else error).rsplit("/", 1)[-1])
+        return ArtifactError(f"{manifest.path}: this data was replaced (a rerun published a new version of "
+                             f"{manifest.stage}-{manifest.hash}) and removed while this reader fetched it "
+                             "from the old manifest: read the artifact again (a reader holding a manifest "
+                             "longer than MOEFLOW_GRACE_SECONDS loses its data)")
 
     def _corrupt(self, manifest: Listed, rel: str) -> ArtifactError:
         return corrupt(self._url(manifest, rel), self._url(manifest, MANIFEST), manifest.stage)
@@ -156,7 +177,7 @@ def replace_folder(tmp: Path, folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def node_lock(path: Path) -> Iterator[None]:
     """A node-local lock: two processes on one node pull an artifact once."""
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

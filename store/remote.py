@@ -2,8 +2,13 @@
 
 Layout as in a local store: `<url>/<stage>/<stage>-<hash>/manifest.json`. Publishing: the files go
 under a fresh prefix of the artifact (`data-<id>/`), then the manifest, naming that prefix and every
-file's size and xxh3, is written last: it is the commit marker, one PUT, so a killed writer leaves
-nothing a reader accepts. Build locks are lease objects made with create-if-absent, renewed by a
+file's size and xxh3, is written last: it is the commit marker, one conditional PUT (only over the
+manifest the writer saw when it took the build lease: `lease.put_if`), so a killed writer leaves nothing
+a reader accepts and a writer whose lease lapsed cannot commit over another's. A prefix no manifest
+names any more (a rerun's predecessor, a killed writer's) is marked (`.superseded/data-<id>`) and
+removed by a later publish of that artifact once `MOEFLOW_GRACE_SECONDS` (default a day) have passed,
+so a reader of the old manifest finishes; one that still loses the race gets an `ArtifactError` saying
+so. Build locks are lease objects made with create-if-absent, renewed by a
 heartbeat and lapsing when their holder dies (`Lease`). Stage bodies read a node-local mirror laid
 out like a local store, filled as artifacts are needed, each file verified as it arrives and kept
 while the artifact's content hash stays the same. Credentials come from the environment and fsspec's
@@ -15,16 +20,28 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import shutil
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+import fsspec
+
 from moeflow.store.format import MANIFEST, ORIGIN, ArtifactError
-from moeflow.store.lease import Lease
+from moeflow.store.lease import Lease, LeaseLost, Superseded, put_if, version
 from moeflow.store.local import Manifest, Store, seal
 from moeflow.store.mirror import Mirror, replace_folder
 
 log = logging.getLogger(__name__)
+SUPERSEDED = ".superseded"  # <artifact>/.superseded/data-<id>: since when no manifest names that prefix
+
+
+def grace_seconds() -> float:
+    """How long superseded data stays readable (`MOEFLOW_GRACE_SECONDS`, default a day)."""
+    return float(os.environ.get("MOEFLOW_GRACE_SECONDS", 86400))
 
 
 class ObjectStore(Mirror):
@@ -32,7 +49,7 @@ class ObjectStore(Mirror):
 
     def __init__(self, url: str):
         super().__init__(url)
-        self._leases: dict[tuple[str, str], Lease] = {}
+        self._leases: dict[tuple[str, str], tuple[Lease, str | None]] = {}  # held: lease, manifest version
 
     def get(self, stage: str, key: str) -> Manifest | None:
         try:
@@ -58,7 +75,7 @@ class ObjectStore(Mirror):
         """Hold the artifact's build lease: two runs (on any nodes) that need it build it once."""
         lease = Lease(self.fs, self._path(stage, ".leases", f"{stage}-{key}"))
         with lease:
-            self._leases[stage, key] = lease
+            self._leases[stage, key] = lease, version(self.fs, self._path(stage, f"{stage}-{key}", MANIFEST))
             try:
                 yield
             finally:
@@ -76,29 +93,54 @@ class ObjectStore(Mirror):
     staging = Store.staging  # a local folder in the mirror: the stage body writes there, then `commit`
 
     def commit(self, stage: str, key: str, tmp: Path, stats: dict, lineage: dict) -> Manifest:
-        """Upload `tmp` under a fresh prefix, then write the manifest (the commit marker); `tmp` becomes
-        this node's mirror of the artifact."""
+        """Upload `tmp` under a fresh prefix, then write the manifest (the commit marker) if no other writer
+        published since this one took the lease (or, without one, since it began); `tmp` becomes this
+        node's mirror of the artifact."""
         name = f"{stage}-{key}"
+        target = self._path(stage, name, MANIFEST)
+        lease, base = self._leases.get((stage, key)) or (None, version(self.fs, target))
         data = f"data-{uuid.uuid4().hex[:12]}"
         manifest = seal(stage, key, tmp, stats, lineage, f"{self.url}/{stage}/{name}/{data}")
         local = [p for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MANIFEST]
         self.fs.put([str(p) for p in local], [self._path(stage, name, data, p.relative_to(tmp).as_posix())
                                               for p in local])
-        lease = self._leases.get((stage, key))
-        if lease is not None:
-            lease.check()  # a holder whose lease lapsed (a long pause) must not publish over the new one
-        self.fs.pipe_file(self._path(stage, name, MANIFEST), (tmp / MANIFEST).read_bytes())
-        self._drop_stale(stage, name, keep=data)
+        try:
+            if lease is not None:
+                lease.settle()  # from here `check` and the conditional write decide, not an interrupt
+                lease.check()  # a holder whose lease lapsed (a long pause) must not publish over the new one
+            put_if(self.fs, target, (tmp / MANIFEST).read_bytes(), base)
+        except (LeaseLost, Superseded) as e:
+            with contextlib.suppress(Exception):  # no manifest names this build's prefix
+                self.fs.rm(self._path(stage, name, data), recursive=True)
+            if isinstance(e, Superseded):
+                raise ArtifactError(f"{self.url}/{stage}/{name} was published by another writer while this "
+                                    "one built it (this writer's build lease had lapsed); nothing of this build "
+                                    "was published: run again (it reuses that artifact)") from None
+            raise
+        self._sweep(stage, name, keep=data)
         replace_folder(tmp, self.folder(stage, key))
         return manifest
 
-    def _drop_stale(self, stage: str, name: str, keep: str) -> None:
-        """Data prefixes no manifest names: an older version's, or a killed writer's."""
+    def _sweep(self, stage: str, name: str, keep: str) -> None:
+        """Data prefixes no manifest names (an older version's, a killed writer's): marked when first seen,
+        removed once marked for `grace_seconds()`."""
+        now, grace = time.time(), grace_seconds()
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(stage, name, SUPERSEDED, keep))  # named now, whatever a racing writer marked
         for path in self.fs.ls(self._path(stage, name), detail=False, refresh=True):
             leaf = PurePosixPath(path).name
-            if leaf.startswith("data-") and leaf != keep:
+            if not leaf.startswith("data-") or leaf == keep:
+                continue
+            mark = self._path(stage, name, SUPERSEDED, leaf)
+            try:
+                since = float(self.fs.cat_file(mark))
+            except FileNotFoundError:
+                since = now
+                self.fs.pipe_file(mark, str(now).encode())
+            if now - since >= grace:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(path, recursive=True)
+                    self.fs.rm(mark)
 
     def runs(self) -> list[dict]:
         """The run records, oldest first (by the store's modification time)."""
@@ -108,12 +150,18 @@ class ObjectStore(Mirror):
             return [json.loads(self.fs.cat_file(e["name"])) for e in listing if e["name"].endswith(".json")]
         return []
 
+    def run(self, flow_run_id: str) -> dict:
+        """One run's record, read from the object store (the mirror of the node that ran it may be gone:
+        another node's, or a scratch one with `MOEFLOW_STORE_CACHE=none`)."""
+        try:
+            return json.loads(self.fs.cat_file(self._path("runs", f"{flow_run_id}.json")))
+        except FileNotFoundError:
+            raise ArtifactError(f"the store {self.url} has no record of flow run {flow_run_id}: did the run "
+                                "use another store (`store:` in its config, MOEFLOW_STORE)?") from None
+
     def record_run(self, summary: dict) -> None:
-        text = json.dumps(summary, indent=2)
-        self.fs.pipe_file(self._path("runs", f"{summary['flow_run_id']}.json"), text.encode())
-        runs = self.root / "runs"  # and in the mirror, where `moeflow run` prints it from
-        runs.mkdir(parents=True, exist_ok=True)
-        (runs / f"{summary['flow_run_id']}.json").write_text(text)
+        self.fs.pipe_file(self._path("runs", f"{summary['flow_run_id']}.json"),
+                          json.dumps(summary, indent=2).encode())
 
 def ensure_file(folder: Path, rel: str) -> Path:
     """`folder/rel` for a folder of a mirror (`<mirror>/<stage>/<stage>-<hash>`), from its store."""
@@ -123,3 +171,58 @@ def ensure_file(folder: Path, rel: str) -> Path:
     if manifest is None:
         raise ArtifactError(f"{store.url}/{stage}/{folder.name} has no {MANIFEST}: not a complete artifact")
     return store.pull_file(manifest, rel)
+
+
+class SharedFolder:
+    """A folder of this node's mirror (`<mirror>/<stage>/<name>`) kept in its object store as well, so that the
+    other nodes of a multi-node launch read it through the store: the launch spec, training checkpoints."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        store, stage, name = self.url.rsplit("/", 2)
+        self.fs, self.base = fsspec.url_to_fs(self.url)
+        self.local = Mirror(store).root / stage / name
+
+    @classmethod
+    def of(cls, folder: Path) -> SharedFolder | None:
+        """The shared folder for a folder of an object store's mirror; None for any other (a local store's
+        folder is shared, if at all, by the filesystem)."""
+        origin = Path(folder).parent.parent / ORIGIN
+        if not origin.exists():
+            return None
+        return cls(f"{origin.read_text()}/{Path(folder).parent.name}/{Path(folder).name}")
+
+    def names(self, rel: str) -> list[str]:
+        """The entries directly under `rel` in the store, sorted."""
+        with contextlib.suppress(FileNotFoundError):
+            return sorted(PurePosixPath(p).name for p in self.fs.ls(f"{self.base}/{rel}", detail=False,
+                                                                    refresh=True))
+        return []
+
+    def put(self, rel: str, last: str | None = None) -> None:
+        """Upload `local/rel` (a file or a folder) to the store; in a folder, the file named `last` goes last
+        (the marker that says the folder is complete)."""
+        src = self.local / rel
+        files = [src] if src.is_file() else sorted((p for p in src.rglob("*") if p.is_file()),
+                                                   key=lambda p: (p.name == last, str(p)))
+        for p in files:  # one by one: `last` must not land before the rest
+            self.fs.put_file(str(p), f"{self.base}/{p.relative_to(self.local).as_posix()}")
+
+    def get(self, rel: str) -> Path:
+        """Download the folder `rel` from the store into `local/rel`, replacing what is there."""
+        names = self.fs.find(f"{self.base}/{rel}")
+        if not names:
+            raise ArtifactError(f"{self.url}/{rel} is not in the store")
+        dest = self.local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-get-", dir=dest.parent))
+        try:
+            self.fs.get(names, [str(tmp / PurePosixPath(n).relative_to(f"{self.base}/{rel}")) for n in names])
+            replace_folder(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    def remove(self, rel: str = "") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(f"{self.base}/{rel}".rstrip("/"), recursive=True)

@@ -80,17 +80,6 @@ def test_a_store_url_with_credentials_is_refused_without_echoing_them(tmp_path):
     assert "s3kr1t" not in str(e.value)
 
 
-def test_a_rerun_replaces_the_artifact_and_drops_the_old_files(s3):
-    store = ObjectStore(f"{_bucket(s3)}/store")
-    for seed in (1, 2):
-        tmp = store.staging("mix")
-        _write(tmp, 2, 100, seed)
-        made = store.commit("mix", "k", tmp, {}, {"stage": "mix"})
-    prefixes = [p for p in store.fs.ls(f"{store.base}/mix/mix-k", detail=False) if "/data-" in p]
-    assert prefixes == [made.path.removeprefix("s3://")]
-    assert store.get("mix", "k").content_hash == made.content_hash
-
-
 def test_a_lease_is_held_by_one_writer_and_lapses_when_its_holder_dies(s3):
     store = ObjectStore(f"{_bucket(s3)}/store")
     prefix = f"{store.base}/.leases/x"
