@@ -180,9 +180,9 @@ def _up(args) -> int:
         return 1
     except KeyboardInterrupt:
         def graceful() -> str:
-            state = stack.cancel(runs[0]).lower() if runs else "never started"
+            ran = f"flow run {runs[0]} {stack.cancel(runs[0]).lower()}" if runs else "no flow run had started"
             stack.stop()
-            return f"flow run {runs[0] if runs else ''} {state}; server and worker stopped"
+            return f"{ran}; server and worker stopped"
 
         return _interrupted("up", graceful, lambda: stack.stop(force=True))
     if args.keep:

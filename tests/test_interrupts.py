@@ -155,7 +155,7 @@ def test_ctrl_c_on_up_cancels_the_flow_run_and_stops_server_and_worker(smoke_dat
     started = time.monotonic()
     up.ctrl_c()
     rc, out = up.wait(timeout=240)
-    print(f"exited {time.monotonic() - started:.1f} s after Ctrl-C")
+    print(f"exited {time.monotonic() - started:.1f} s after Ctrl-C\n{out[-3000:]}")
     assert rc == 130, out
     assert f"interrupted: flow run {run_id} cancelled; server and worker stopped" in out
     assert _ours(mark) == []
