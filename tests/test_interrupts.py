@@ -140,18 +140,23 @@ def _state_on_restarted_server(home: Path, run_id: str | None = None) -> tuple[s
         stack.stop()
 
 
+def _up_past_ingest(tmp_path: Path) -> tuple[_Command, str, str]:
+    """`moeflow up smoke` in a session of its own, once its flow run has finished ingest: (command, flow run
+    id, the environment entry every process it starts carries)."""
+    mark = f"MOEFLOW_STORE={tmp_path / 'store'}"
+    up = _Command(["up", "smoke", "--home", str(tmp_path / "home")], {**os.environ, "MOEFLOW_STORE": mark[14:]})
+    line = _await(lambda: next((x for x in up.lines if x.startswith("flow run: ")), None), 240,
+                  "no flow run announced", up)
+    _await(lambda: any("task-run.Completed * ingest" in x for x in up.lines), 240, "ingest never finished", up)
+    return up, line.rsplit("/", 1)[1].strip(), mark
+
+
 @pytest.mark.e2e
 @pytest.mark.check
 def test_ctrl_c_on_up_cancels_the_flow_run_and_stops_server_and_worker(smoke_data, tmp_path):
     """Ctrl-C on `moeflow up smoke` while the flow runs: the run is cancelled through Prefect (Cancelled, as its
     server reports), no server, worker or flow run process is left, and the command exits 130 saying so."""
-    mark = f"MOEFLOW_STORE={tmp_path / 'store'}"
-    up = _Command(["up", "smoke", "--home", str(tmp_path / "home")], {**os.environ, "MOEFLOW_STORE": mark[14:]})
-    line = _await(lambda: next((x for x in up.lines if x.startswith("flow run: ")), None), 240,
-                  "no flow run announced", up)
-    run_id = line.rsplit("/", 1)[1].strip()
-    _await(lambda: any("Task run 'ingest' - Finished" in x or "ingest" in x and "Completed" in x
-                       for x in up.lines), 240, "ingest never finished", up)
+    up, run_id, mark = _up_past_ingest(tmp_path)
     started = time.monotonic()
     up.ctrl_c()
     rc, out = up.wait(timeout=240)
@@ -160,6 +165,22 @@ def test_ctrl_c_on_up_cancels_the_flow_run_and_stops_server_and_worker(smoke_dat
     assert f"interrupted: flow run {run_id} cancelled; server and worker stopped" in out
     assert _ours(mark) == []
     assert _state_on_restarted_server(tmp_path / "home", run_id) == (run_id, "CANCELLED")
+
+
+@pytest.mark.e2e
+@pytest.mark.check
+def test_a_second_ctrl_c_on_up_kills_at_once(smoke_data, tmp_path):
+    """A second Ctrl-C while `moeflow up` waits for the cancellation: server, worker and the flow run's
+    processes are killed at once, exit 130."""
+    up, _, mark = _up_past_ingest(tmp_path)
+    up.ctrl_c()
+    _await(lambda: any("interrupted; cancelling" in x for x in up.lines), 60, "no word of the interrupt", up)
+    started = time.monotonic()
+    up.ctrl_c()
+    rc, out = up.wait(timeout=60)
+    print(f"exited {time.monotonic() - started:.1f} s after the second Ctrl-C\n{out[-3000:]}")
+    assert rc == 130 and "interrupted twice: killed what it had started" in out, out
+    assert _ours(mark) == []
 
 
 @pytest.mark.check
