@@ -37,9 +37,10 @@ def _run(args) -> int:
         # No server configured: start one temporary server for the run and hand its address to the shard
         # worker processes too; left alone, Prefect starts a temporary server in every worker (~190 MB
         # and a few seconds each). In a process session of its own: a Ctrl-C reaches this command, which
-        # then needs the server to mark the run Cancelled. Its database is Prefect's usual one (PREFECT_HOME).
+        # then needs the server to mark the run Cancelled; tied to this process, it ends when this one is
+        # killed outright. Its database is Prefect's usual one (PREFECT_HOME).
         try:
-            server = LocalStack(PREFECT_HOME.value(), startup_timeout=120).start_server("--no-services")
+            server = LocalStack(PREFECT_HOME.value(), startup_timeout=120).start_server("--no-services", tied=True)
         except StackError as e:
             print(f"moeflow run: {e}", file=sys.stderr)
             return 1

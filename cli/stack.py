@@ -76,7 +76,9 @@ class LocalStack:
             **kw,
         )
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *args: str, tied: bool = False) -> subprocess.Popen:
+        """`prefect ARGS` in a session of its own, logging to `home/NAME.log`; `tied`: it gets SIGTERM when
+        this process ends, however it ends (Linux; a SIGKILLed `moeflow run` leaves no server behind)."""
         log = open(self.home / f"{name}.log", "ab")
         return subprocess.Popen(
             [sys.executable, "-m", "prefect", *args],
@@ -85,6 +87,7 @@ class LocalStack:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_end_with_parent if tied and sys.platform == "linux" else None,
         )
 
     def _healthy(self) -> bool:
@@ -114,11 +117,12 @@ class LocalStack:
             )
         return self
 
-    def start_server(self, *extra: str) -> LocalStack:
-        """The server alone (`extra`: more `prefect server start` options), healthy."""
+    def start_server(self, *extra: str, tied: bool = False) -> LocalStack:
+        """The server alone (`extra`: more `prefect server start` options), healthy; `tied`: it ends when this
+        process does."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.server = self._spawn(
-            "server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port), *extra
+            "server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port), *extra, tied=tied
         )
         deadline = time.monotonic() + self.startup_timeout
         while not self._healthy():
@@ -255,6 +259,13 @@ def _terminate(pid: int, grace: float = 20) -> None:
         with contextlib.suppress(ProcessLookupError):
             if not _gone(child) and (group := os.getpgid(child)) != os.getpgrp():
                 os.killpg(group, signal.SIGKILL)
+
+
+def _end_with_parent() -> None:
+    """In a child before it execs: the kernel sends it SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes  # Linux only, and only here
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def identity(pid: int) -> str | None:

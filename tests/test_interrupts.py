@@ -216,3 +216,21 @@ def test_ctrl_c_on_run_cancels_the_flow_run_and_stops_pool_and_server(smoke_data
     assert "cancelled; the temporary server is stopping" in out
     assert _ours(mark) == []
     assert _state_on_restarted_server(tmp_path / "home")[1] == "CANCELLED"
+
+
+def test_a_killed_run_leaves_no_temporary_server(tmp_path):
+    """`moeflow run`'s temporary server runs in a session of its own (out of Ctrl-C's reach) yet ends with the
+    command, even one SIGKILLed (as the OOM killer ends it), instead of serving on forever."""
+    env = {**os.environ, "MOEFLOW_STORE": str(tmp_path / "store"), "PREFECT_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    run = _Command(["run", "smoke"], env)
+    server = _await(lambda: next((p for p in descendants(run.proc.pid) if b"server\0start" in _cmdline(p)), None),
+                    120, "no temporary server started", run)
+    time.sleep(2)  # up and serving
+    assert _alive(server)
+    run.proc.kill()
+    run.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while _alive(server):
+        assert time.monotonic() < deadline, "the temporary server still runs 30 s after its moeflow run was killed"
+        time.sleep(0.2)
