@@ -10,13 +10,15 @@ of them takes seconds (4.5 s measured on a 2-core machine), and `moeflow --help`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from moeflow.cli.stack import LocalStack, StackError
+from moeflow.cli.stack import LocalStack, StackError, descendants
 from moeflow.core.paths import PACKAGE_ROOT
 
 STAGE_HELP = (
@@ -26,7 +28,7 @@ STAGE_HELP = (
 
 
 def _run(args) -> int:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from moeflow.flows.pretrain import pretrain
 
@@ -34,18 +36,28 @@ def _run(args) -> int:
     if not PREFECT_API_URL.value():
         # No server configured: start one temporary server for the run and hand its address to the shard
         # worker processes too; left alone, Prefect starts a temporary server in every worker (~190 MB
-        # and a few seconds each). Its telemetry off: its heartbeat races the run for the sqlite database
-        # and prints a "database is locked" traceback on runs that succeed.
-        from prefect.server.api.server import SubprocessASGIServer
-
-        os.environ.setdefault("DO_NOT_TRACK", "1")
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        server = SubprocessASGIServer()
-        server.start(timeout=120)
+        # and a few seconds each). In a process session of its own: a Ctrl-C reaches this command, which
+        # then needs the server to mark the run Cancelled; tied to this process, it ends when this one is
+        # killed outright. Its database is Prefect's usual one (PREFECT_HOME).
+        try:
+            server = LocalStack(PREFECT_HOME.value(), startup_timeout=120).start_server("--no-services", tied=True)
+        except StackError as e:
+            print(f"moeflow run: {e}", file=sys.stderr)
+            return 1
         os.environ["PREFECT_API_URL"] = server.api_url
+    runs: list[str] = []
+
+    def flow_run_id(_flow, run, _state) -> None:  # kept for a Ctrl-C: the run to mark Cancelled
+        runs.append(str(run.id))
+
+    flow = pretrain.with_options(on_running=[flow_run_id])
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it (a background job)
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url} if server else {}):
-            summary = pretrain(config=args.config, until=args.until, rerun=args.rerun or None)
+            try:
+                summary = flow(config=args.config, until=args.until, rerun=args.rerun or None)
+            except KeyboardInterrupt:
+                return _interrupted("run", lambda: _cancel_here(runs, server), _kill_children)
     finally:
         if server:
             from prefect.logging.handlers import APILogWorker
@@ -55,6 +67,44 @@ def _run(args) -> int:
     _print_summary(summary["stages"])
     print(summary["card"] or f"stopped after {args.until}")
     return 0
+
+
+def _kill_children() -> None:
+    """SIGKILL every process this one started (the temporary server, the pool's processes)."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cancel_here(runs: list[str], server: LocalStack | None) -> str:
+    """Mark the interrupted in-process flow run Cancelled as Prefect's engine does when it cancels a run it
+    owns (Cancelling, then Cancelled): it stopped already, Crashed by the interrupt."""
+    from prefect import get_client
+    from prefect.states import Cancelled, Cancelling
+
+    if not runs:
+        return "no flow run had started"
+    message = "Cancelled by Ctrl-C (moeflow run)"
+    with get_client(sync_client=True) as client:
+        for state in (Cancelling(message=message), Cancelled(message=message)):
+            client.set_flow_run_state(runs[0], state, force=True)
+    where = f"; the temporary server is stopping (its database is in {server.home})" if server else ""
+    return f"flow run {runs[0]} cancelled{where}"
+
+
+def _interrupted(command: str, graceful, force) -> int:
+    """After a Ctrl-C: `graceful()` (cancel the flow run, stop what the command started) says what it did;
+    a second Ctrl-C runs `force()` instead. Exit status 130, as a shell gives a command Ctrl-C ended."""
+    print(f"moeflow {command}: interrupted; cancelling the flow run and stopping what this command started "
+          "(Ctrl-C again to kill it all at once)", file=sys.stderr, flush=True)
+    try:
+        print(f"moeflow {command}: interrupted: {graceful()}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        force()
+        print(f"moeflow {command}: interrupted twice: killed what it had started; the flow run may still "
+              "show Running in the UI", file=sys.stderr, flush=True)
+        os._exit(130)  # nothing left to wait for (an executor's threads would be joined at exit)
+    return 130
 
 
 def _print_summary(stages: dict[str, dict]) -> None:
@@ -120,20 +170,23 @@ def _up(args) -> int:
 
     store = store_for(configs.load(args.preset).store_url())  # the record is read from the store itself
     home = Path(args.home) if args.home else PACKAGE_ROOT / ".prefect"
-    LocalStack.stop_kept(home)  # a stack an earlier `up --keep` left in this home
+    _stop_kept(home)  # a stack an earlier `up --keep` left in this home
     stack = LocalStack(home, ui=True)
+    runs: list[str] = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it (a background job)
     try:
-        stack.start()
-        print(f"Prefect server {stack.api_url}, UI {stack.ui_url} (logs in {home}); running "
-              f"pretrain/{args.preset}", flush=True)
-        def announce(run_id: str) -> None:
-            print(f"flow run: {stack.flow_run_url(run_id)}", flush=True)
-
-        rc, _, run_id = stack.run_deployment(f"pretrain/{args.preset}", on_run=announce)
+        rc, run_id = _up_run(stack, args.preset, runs)
     except StackError as e:
         stack.stop()
         print(f"moeflow up: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        def graceful() -> str:
+            ran = f"flow run {runs[0]} {stack.cancel(runs[0]).lower()}" if runs else "no flow run had started"
+            stack.stop()
+            return f"{ran}; server and worker stopped"
+
+        return _interrupted("up", graceful, lambda: stack.stop(force=True))
     if args.keep:
         stack.keep()
         print(f"server and worker left running: the UI at {stack.ui_url}; stop them with `moeflow down`")
@@ -147,9 +200,30 @@ def _up(args) -> int:
     return 0
 
 
-def _down(args) -> int:
+def _up_run(stack: LocalStack, preset: str, runs: list[str]) -> tuple[int, str | None]:
+    """Start the stack and run the preset's deployment on it; the flow run's id goes into `runs` as soon as
+    it exists."""
+    stack.start()
+    print(f"Prefect server {stack.api_url}, UI {stack.ui_url} (logs in {stack.home}); running "
+          f"pretrain/{preset}", flush=True)
 
-    kept = LocalStack.stop_kept(Path(args.home) if args.home else PACKAGE_ROOT / ".prefect")
+    def announce(run_id: str) -> None:
+        runs.append(run_id)
+        print(f"flow run: {stack.flow_run_url(run_id)}", flush=True)
+
+    rc, _, run_id = stack.run_deployment(f"pretrain/{preset}", on_run=announce)
+    return rc, run_id
+
+
+def _stop_kept(home: Path) -> dict | None:
+    kept = LocalStack.stop_kept(home)
+    for why in (kept or {}).get("skipped", []):
+        print(f"moeflow: {why}", file=sys.stderr)
+    return kept
+
+
+def _down(args) -> int:
+    kept = _stop_kept(Path(args.home) if args.home else PACKAGE_ROOT / ".prefect")
     print(f"stopped the stack at {kept['ui']}" if kept else "no stack left running by `moeflow up --keep`")
     return 0
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from concurrent.futures.process import BrokenProcessPool
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 from prefect.task_runners import ProcessPoolTaskRunner
 
 from moeflow.configs import RunConfig
@@ -21,6 +23,11 @@ from moeflow.tasks.runner import Inputs, Part, Prior, artifact_key, materialize,
 from moeflow.tokenize import tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class PoolProcessDied(RuntimeError):
+    """A process of a sharded stage's pool died (killed, most likely for memory); the message says which parts
+    and which settings make each part smaller."""
 
 
 def check_stages(rerun, until) -> None:
@@ -114,11 +121,31 @@ class Pipeline:
                     kwargs = {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
                               "part": (phase.name, r, n), "prior": prior}
                     states.append(runner.submit(one, kwargs) if runner else one(**kwargs, return_state=True))
-                for future in states if runner else []:
-                    future.wait()
-                return [self._record(f"{name}[{r}/{n}]", s.state if runner else s) for r, s in enumerate(states)]
+                return self._record_parts([(f"{name}[{r}/{n}]", s) for r, s in enumerate(states)])
 
             return run_phases(st, cfg, inputs, build_phase)
+
+    def _record_parts(self, parts: list[tuple[str, object]]) -> list[Manifest]:
+        """A phase's parts, recorded; a pool process that died under some (the kernel's OOM killer SIGKILLs
+        one when memory runs out, and the pool then fails every part it had not finished) is said plainly."""
+        done, lost = [], []
+        for label, state in parts:  # a future on the runner, or a final state
+            try:
+                if isinstance(state, PrefectFuture):
+                    state.wait()
+                    state = state.state
+                done.append(self._record(label, state))
+            except BrokenProcessPool:
+                lost.append(label)
+        if lost:
+            raise PoolProcessDied(
+                f"{', '.join(lost)}: a process of the shard pool was killed while these parts ran or waited, "
+                "most likely by the kernel's OOM killer: memory ran out (`dmesg` or `journalctl -k` names the "
+                "killed process). Each part holds about 1/shards of its stage's input: raise "
+                "`execution.shards` (`filter.shards` for filter, `dedup.partitions` for dedup's reduce) for "
+                "smaller parts, or lower `execution.workers` for fewer at once. Parts already built are "
+                "reused when you run again.")
+        return done
 
     def _record(self, label: str, state) -> Manifest:
         manifest: Manifest = state.result()
