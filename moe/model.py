@@ -1,9 +1,19 @@
 """A decoder-only transformer with MoE feed-forwards (RMSNorm, RoPE, SDPA; optional dense first layers).
 
 Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary.
+
+Initialisation is GPT-2's (as nanoGPT and Megatron-LM's scaled init apply it), the same for dense and MoE
+layers: every matrix (the tied embedding, attention's qkv, the router, experts' and MLPs' input
+projections) is drawn from normal(0, 0.02); the projections that write into the residual stream
+(attention's `out`, experts' `w2`, dense and shared MLPs' `down_proj`) from normal(0, 0.02 / sqrt(2 *
+n_layers)), so the 2 * n_layers updates a token's residual stream receives add up to a variance that does
+not grow with depth; RMSNorm gains start at 1. `init_weights` applies it by parameter name, after the
+modules are built, so the MegaBlocks backend (which shares the reference layer's tensors) gets it too.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +70,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ffn_norm(x)), None
 
 
+INIT_STD = 0.02
+RESIDUAL_OUTPUTS = ("attn.out.weight", "experts.mlp.w2", "down_proj.weight")  # write into the residual stream
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2's initialisation (module docstring), in parameter order: the same draws from the same seed."""
+    scaled = INIT_STD / math.sqrt(2 * n_layers)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:  # norm gains keep their 1
+            nn.init.normal_(p, std=scaled if name.endswith(RESIDUAL_OUTPUTS) else INIT_STD)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
+        init_weights(self, cfg.n_layers)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -1,0 +1,53 @@
+"""Numerics of the model and its training measurements: expert precision, MFU, initialisation, host syncs,
+evaluation without capacity, document masking (issue 41)."""
+
+import pytest
+import torch
+
+from moeflow.configs import ModelConfig
+from moeflow.moe.experts import matmul_dtypes
+from moeflow.moe.model import Transformer, lm_loss
+
+MOE = ModelConfig(d_model=32, n_layers=2, n_heads=2, num_experts=4, top_k=2, expert_hidden=32)
+
+
+@pytest.mark.parametrize("width", [32, 6])  # 6: the loop path (grouped_mm refuses the stride)
+def test_experts_compute_in_bf16_under_bf16_autocast(width):
+    torch.manual_seed(0)
+    model = Transformer(MOE.model_copy(update={"d_model": width, "n_heads": 1}), vocab_size=50, max_seq_len=16)
+    tokens = torch.randint(0, 50, (2, 17))
+    with matmul_dtypes(model) as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        ce, _, _ = lm_loss(model, tokens)
+    assert seen == {"bfloat16"}
+    ce.backward()  # float32 master weights still get float32 gradients
+    assert model.blocks[0].moe.experts.mlp.w2.grad.dtype == torch.float32
+    with matmul_dtypes(model) as seen:
+        lm_loss(model, tokens)
+    assert seen == {"float32"}  # and without autocast, float32 as before
+
+
+def _residual_rms(cfg: ModelConfig) -> tuple[float, float]:
+    """At init, on random tokens: the RMS of the residual stream after the last block, and of what the
+    blocks added to the embedding."""
+    torch.manual_seed(0)
+    model = Transformer(cfg, vocab_size=256, max_seq_len=64)
+    with torch.no_grad():
+        x = embedded = model.embed(torch.randint(0, 256, (4, 64)))
+        for block in model.blocks:
+            x, _ = block(x, model.rope_cos, model.rope_sin)
+    return float(x.square().mean().sqrt()), float((x - embedded).square().mean().sqrt())
+
+
+def test_residual_stream_rms_at_init_does_not_grow_with_depth_in_dense_or_moe_models():
+    depths = (2, 8, 32)
+    for dense in (False, True):
+        cfgs = [MOE.model_copy(update={"d_model": 64, "n_layers": n, "dense_layers": n if dense else 0})
+                for n in depths]
+        stream, added = zip(*map(_residual_rms, cfgs))
+        # the embedding's 0.02 dominates; the 2 * n_layers residual writes, each 1/sqrt(2 * n_layers)
+        # smaller, add up to the same few thousandths whatever the depth (unscaled they grow as sqrt(depth))
+        assert stream[0] == pytest.approx(0.02, rel=0.1), stream
+        assert max(stream) / min(stream) < 1.1, (dense, stream)
+        assert max(added) / min(added) < 1.5, (dense, added)
+        assert max(added) < 0.5 * stream[0], (dense, added)
+
