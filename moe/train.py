@@ -152,7 +152,7 @@ class Trainer:
             router_z_sum=totals.router_z, logit_z_sum=totals.logit_z, grad_norm=grad_norm,
             grad_norm_groups=groups, tokens_per_expert=[c.tolist() for c in totals.tokens_per_expert],
             dropped=totals.dropped, seconds=seconds, tokens=cfg.batch_size * seq_len,
-            flops_per_token=self.model.flops_per_token(seq_len),
+            flops_per_token=self.model.flops_per_token(seq_len), devices=self.world.size if self.world else 1,
         )
 
     def forward_backward(self, rows: np.ndarray, t: _Totals) -> None:

@@ -1,10 +1,14 @@
 """Numerics of the model and its training measurements: expert precision, MFU, initialisation, host syncs,
 evaluation without capacity, document masking (issue 41)."""
 
+import json
+
 import pytest
 import torch
 
-from moeflow.configs import ModelConfig
+from helpers import write_training_mix
+from moeflow.configs import ModelConfig, TrainConfig
+from moeflow.moe import launch, train
 from moeflow.moe.experts import matmul_dtypes
 from moeflow.moe.model import Transformer, lm_loss
 
@@ -51,3 +55,28 @@ def test_residual_stream_rms_at_init_does_not_grow_with_depth_in_dense_or_moe_mo
         assert max(added) / min(added) < 1.5, (dense, added)
         assert max(added) < 0.5 * stream[0], (dense, added)
 
+
+@pytest.fixture(scope="module")
+def mix_dir(tmp_path_factory):
+    return write_training_mix(tmp_path_factory.mktemp("mix"))
+
+
+def test_mfu_is_per_device_one_rank_or_two(mix_dir, tmp_path):
+    """A step's model FLOPs over its time, divided among the ranks that computed it, over one device's peak:
+    two ranks that each take as long as one would report the same MFU, not twice it."""
+    peak = 1e-4  # TFLOP/s: a tiny model on a CPU still shows several significant digits
+    cfg = TrainConfig(steps=2, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=1, checkpoint_every=2,
+                      peak_tflops=peak)
+    kw = {"seed": 7, "mix_dir": mix_dir, "tokenizer_dir": mix_dir}
+    vocab = train.run(MOE, cfg, out=tmp_path / "one", **kw)["vocab_size"]
+    two = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"nproc_per_node": 2})})
+    launch.torchrun(MOE, two, out=tmp_path / "two", work=tmp_path / "two" / "work", **kw)
+    model = Transformer(MOE, vocab_size=vocab, max_seq_len=32)
+    for ranks in (1, 2):
+        lines = (tmp_path / ("one", "two")[ranks - 1] / "metrics.jsonl").read_text().splitlines()
+        for r in map(json.loads, lines):
+            seconds = r["ranks"][0]["step_s"] if ranks > 1 else cfg.batch_size * r["seq_len"] / r["tokens_per_s"]
+            flops = model.flops_per_token(r["seq_len"]) * cfg.batch_size * r["seq_len"]
+            per_device = flops / seconds / ranks / 1e12
+            assert r["tflops"] == pytest.approx(per_device, rel=0.02, abs=2e-5), (ranks, r)
+            assert r["mfu"] == pytest.approx(per_device / peak, rel=0.02), (ranks, r)
