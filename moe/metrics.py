@@ -101,12 +101,15 @@ def group_of(name: str) -> str:
 
 
 def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
+    """Gradient norm per parameter group; one host sync for all of them (one per parameter costs a GPU
+    step its queue)."""
+    named = [(group_of(name), p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    squares = torch.stack([g.detach().float().square().sum() for _, g in named]).tolist()
     sums: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        group = group_of(name)
-        sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
+    for (group, _), v in zip(named, squares):
+        sums[group] = sums.get(group, 0.0) + v
     return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
 
 

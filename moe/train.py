@@ -65,7 +65,7 @@ class _Totals:
     load_balancing: float = 0.0
     router_z: float = 0.0
     logit_z: float = 0.0
-    tokens_per_expert: list[torch.Tensor] | None = None  # per MoE layer
+    tokens_per_expert: torch.Tensor | None = None  # [MoE layer, expert]
     dropped: int = 0
 
 
@@ -150,7 +150,8 @@ class Trainer:
             number=i + 1, phase=int(self.data.phase[first]), seq_len=seq_len, lr=lr,
             micro_batches=cfg.grad_accum, ce_sum=totals.ce, load_balancing_sum=totals.load_balancing,
             router_z_sum=totals.router_z, logit_z_sum=totals.logit_z, grad_norm=grad_norm,
-            grad_norm_groups=groups, tokens_per_expert=[c.tolist() for c in totals.tokens_per_expert],
+            grad_norm_groups=groups,
+            tokens_per_expert=totals.tokens_per_expert.tolist() if totals.tokens_per_expert is not None else [],
             dropped=totals.dropped, seconds=seconds, tokens=cfg.batch_size * seq_len,
             flops_per_token=self.model.flops_per_token(seq_len), devices=self.world.size if self.world else 1,
         )
@@ -165,17 +166,16 @@ class Trainer:
         z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
         loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
         (loss / cfg.grad_accum).backward()
+        dropped = torch.stack([a["dropped"] for a in auxes]).sum() if auxes else ce.new_zeros(())
+        # one host sync for the micro-batch's terms (one per term and layer costs a GPU its queue)
+        values = torch.stack([v.detach().float() for v in (ce, lb, z, logit_z, dropped)]).tolist()
         t.ce, t.load_balancing, t.router_z, t.logit_z = (
-            t.ce + ce.item(),
-            t.load_balancing + lb.item(),
-            t.router_z + z.item(),
-            t.logit_z + logit_z.item(),
+            t.ce + values[0], t.load_balancing + values[1], t.router_z + values[2], t.logit_z + values[3]
         )
-        counts = [a["tokens_per_expert"] for a in auxes]
-        t.tokens_per_expert = (
-            counts if t.tokens_per_expert is None else [a + b for a, b in zip(t.tokens_per_expert, counts)]
-        )
-        t.dropped += sum(int(a["dropped"]) for a in auxes)
+        t.dropped += round(values[4])
+        if auxes:
+            counts = torch.stack([a["tokens_per_expert"] for a in auxes])
+            t.tokens_per_expert = counts if t.tokens_per_expert is None else t.tokens_per_expert + counts
 
     def clip(self, t: _Totals) -> tuple[dict[str, float], float]:
         """Clip the gradients by the whole model's norm; (norm per parameter group, norm) before clipping.

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from helpers import write_training_mix
 from moeflow.configs import ModelConfig, TrainConfig
@@ -80,3 +81,71 @@ def test_mfu_is_per_device_one_rank_or_two(mix_dir, tmp_path):
             per_device = flops / seconds / ranks / 1e12
             assert r["tflops"] == pytest.approx(per_device, rel=0.02, abs=2e-5), (ranks, r)
             assert r["mfu"] == pytest.approx(per_device / peak, rel=0.02), (ranks, r)
+
+
+def test_the_tied_embedding_is_not_decayed_unless_asked():
+    """With zero gradients an AdamW step moves a parameter by its weight decay alone."""
+    from moeflow.moe.optim import adamw
+
+    for asked in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(MOE, vocab_size=50, max_seq_len=16)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cfg = TrainConfig(lr=0.1, weight_decay=0.5, embedding_weight_decay=asked)
+        opt = adamw(model, cfg)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        shrunk = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+        matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
+        assert shrunk == (matrices if asked else matrices - {"embed.weight"}), asked
+        torch.testing.assert_close(model.blocks[0].attn.qkv.weight, before["blocks.0.attn.qkv.weight"] * 0.95)
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Counts the calls that read a tensor's value back to the host (on a GPU each waits for its queue)."""
+
+    READS = frozenset({"item", "tolist", "__float__", "__int__", "__bool__", "__index__"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs(mix_dir, tmp_path, n_layers: int) -> tuple[int, int]:
+    """Host reads in one micro-batch's forward and backward, and in clipping (with the per-group norms)."""
+    trainer = train.Trainer(MOE.model_copy(update={"n_layers": n_layers}), TrainConfig(batch_size=4, steps=1),
+                            seed=0, mix_dir=mix_dir, tokenizer_dir=mix_dir, out=tmp_path / str(n_layers),
+                            work=None, ladder_dir=None, band_tolerance=0.0)
+    totals = train._Totals()
+    with _HostSyncs() as forward:
+        trainer.forward_backward(trainer.data.rows(0, 4), totals)
+    with _HostSyncs() as clip:
+        trainer.clip(totals)
+    return forward.count, clip.count
+
+
+def test_host_syncs_per_step_do_not_grow_with_layers_or_parameters(mix_dir, tmp_path):
+    one, four = _syncs(mix_dir, tmp_path, 1), _syncs(mix_dir, tmp_path, 4)
+    assert one == four, (one, four)  # not one per MoE layer, nor one per parameter
+    assert one[0] <= 1 and one[1] <= 2, one
+
+
+def test_evaluation_is_dropless_whatever_the_capacity_factor():
+    """In eval mode a token's output does not depend on the batch it is in; in training, capacity drops."""
+    torch.manual_seed(0)
+    cfg = MOE.model_copy(update={"capacity_factor": 0.5})
+    model = Transformer(cfg, vocab_size=50, max_seq_len=16)
+    a, b = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (6, 16))
+    model.eval()
+    with torch.no_grad():
+        alone, auxes = model(a)
+        together, _ = model(torch.cat([a, b]))
+    torch.testing.assert_close(together[:2], alone)
+    assert all(int(aux["dropped"]) == 0 for aux in auxes)
+    model.train()
+    assert sum(int(aux["dropped"]) for aux in model(a)[1]) > 0  # the comparison variant still drops in training
