@@ -106,6 +106,9 @@ class TrainConfig(Frozen):
     warmup_steps: int = Field(default=20, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)  # on matrices (moe/optim.py)
     embedding_weight_decay: bool = False  # decay the tied embedding / LM head too (OLMo-core: off)
+    # false: a packed row's documents attend across their EOS separators and positions run on (nanoGPT, OLMo);
+    # true: attention within each document, positions from its start (Llama 3, Olmo 3); evaluation follows
+    document_mask: bool = False
     grad_clip: float = Field(default=1.0, gt=0)
     # where it computes (auto: CUDA when present); like the number of ranks, not part of the key
     device: Literal["auto", "cpu", "cuda"] = operational("auto")

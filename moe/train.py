@@ -33,6 +33,7 @@ from moeflow.moe.metrics import Step, group_grad_norms, group_of, rank_metrics, 
 from moeflow.moe.model import Transformer, lm_loss
 from moeflow.moe.optim import adamw, lr_at
 from moeflow.moe.runlog import RunLog
+from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,10 @@ class StopTraining(Exception):
     """Raised by `stop_after` to end a run between steps, as a kill would (tests use it)."""
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int) -> Transformer:
+def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int,
+                document_eos: int | None = None) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(model_cfg, vocab_size, seq_len)
+    return Transformer(model_cfg, vocab_size, seq_len, document_eos)
 
 
 def _autocast(precision: str, device_type: str):
@@ -90,9 +92,11 @@ class Trainer:
             raise ValueError(
                 f"train: the mix holds {len(self.data)} sequences, {needed} are needed (steps x batch_size)"
             )
-        self.vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
+        tok = load_tokenizer(tokenizer_dir)
+        self.vocab = tok.get_vocab_size()
+        self.eos = tok.token_to_id(EOS) if cfg.document_mask else None
         self.max_len = max(self.data.max_len, cfg.seq_len)
-        self.model = build_model(model_cfg, self.vocab, self.max_len, seed)
+        self.model = build_model(model_cfg, self.vocab, self.max_len, seed, self.eos)
         if self.world is not None:
             self.world.shard(self.model)
         self.model.to(self.dev)
@@ -226,8 +230,8 @@ class Trainer:
         if not self.main:
             return None
         self.runlog.close()
-        _publish(self.work, self.out, {**self.model_cfg.model_dump(mode="json"), "vocab_size": self.vocab,
-                                       "max_seq_len": self.max_len})
+        meta = {**self.model_cfg.model_dump(mode="json"), "vocab_size": self.vocab, "max_seq_len": self.max_len}
+        _publish(self.work, self.out, meta if self.eos is None else {**meta, "document_eos": self.eos})
         records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
         summary = summarise(
             records, self.model, self.model_cfg, self.cfg, vocab=self.vocab, max_len=self.max_len,

@@ -149,3 +149,42 @@ def test_evaluation_is_dropless_whatever_the_capacity_factor():
     assert all(int(aux["dropped"]) == 0 for aux in auxes)
     model.train()
     assert sum(int(aux["dropped"]) for aux in model(a)[1]) > 0  # the comparison variant still drops in training
+
+
+def test_document_mask_computes_each_packed_document_as_if_alone():
+    torch.manual_seed(0)
+    eos = 0
+    docs = [torch.randint(1, 50, (n,)) for n in (5, 7, 4)]
+    # a packed row: each document followed by EOS; under the mask each EOS opens the next document
+    row = torch.cat([docs[0], torch.tensor([eos]), docs[1], torch.tensor([eos]), docs[2]])[None]
+    alone = [docs[0][None], torch.cat([torch.tensor([eos]), docs[1]])[None],
+             torch.cat([torch.tensor([eos]), docs[2]])[None]]
+    spans = [(0, 5), (5, 13), (13, 18)]
+    for masked in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(MOE, vocab_size=50, max_seq_len=32, document_eos=eos if masked else None).eval()
+        with torch.no_grad():
+            packed = model(row)[0][0]
+            same = [torch.allclose(packed[a:b], model(doc)[0][0], atol=1e-5) for doc, (a, b) in zip(alone, spans)]
+        # the first document is alone either way; the later ones see the earlier ones unless masked
+        assert same == [True, masked, masked], (masked, same)
+    # rotary positions restart at each document's EOS (RoPE is relative, so the outputs above cannot show it)
+    model = Transformer(MOE, vocab_size=50, max_seq_len=32, document_eos=eos)
+    cos = model.attention_inputs(row)[0][0, 0]
+    positions = [0, 1, 2, 3, 4] + list(range(8)) + list(range(5))
+    torch.testing.assert_close(cos, model.rope_cos[positions])
+
+
+def test_a_run_trained_with_document_mask_is_evaluated_with_it(mix_dir, tmp_path):
+    from moeflow.moe.evaluate import load_model
+    from moeflow.tokenize.tokenizer import EOS
+    from moeflow.tokenize.tokenizer import load as load_tokenizer
+
+    eos = load_tokenizer(mix_dir).token_to_id(EOS)
+    cfg = TrainConfig(steps=2, batch_size=4, seq_len=32, warmup_steps=1, checkpoint_every=2)
+    kw = {"seed": 7, "mix_dir": mix_dir, "tokenizer_dir": mix_dir}
+    train.run(MOE, cfg.model_copy(update={"document_mask": True}), out=tmp_path / "masked", **kw)
+    train.run(MOE, cfg, out=tmp_path / "plain", **kw)
+    assert load_model(tmp_path / "masked").document_eos == eos
+    assert load_model(tmp_path / "plain").document_eos is None
+    assert "document_eos" not in json.loads((tmp_path / "plain" / "model_config.json").read_text())
