@@ -1,13 +1,15 @@
 """MoE layer throughput: expert-count scaling at fixed active parameters; dense MLP and per-token baselines.
 
-Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R] [--device cpu|cuda]` (default 4096
-and 16384 tokens, on the CPU; `make gpu-check` runs it with `--device cuda`).
-Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2, SwiGLU, fp32, all
-cores) for 8, 16, 32 and 64 experts; the same layer against a dense SwiGLU MLP of equal active width
-(2 x 512) done in bare PyTorch; and against a per-token Python loop over the same weights (a sanity
-floor). Each figure is the fastest of `repeats` timed passes after two warm-up passes (the least
-disturbed one). The last line printed is one JSON object; `*_ratio` figures compare with the
-bare-PyTorch dense MLP.
+Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R] [--device cpu|cuda] [--precision
+fp32|bf16]` (default 4096 and 16384 tokens, on the CPU, fp32; `make gpu-check` runs it with `--device cuda
+--precision bf16`). Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2,
+SwiGLU, all cores; bf16: under autocast, as training runs it) for 8, 16, 32 and 64 experts; the same layer
+against a dense SwiGLU MLP of equal active width (2 x 512) done in bare PyTorch; and against a per-token
+Python loop over the same weights (a sanity floor). Each figure is the fastest of `repeats` timed passes
+after two warm-up passes (the least disturbed one). The last line printed is one JSON object; `*_ratio`
+figures compare with the bare-PyTorch dense MLP; `expert_matmul_dtype` is the dtype the experts' matmuls ran
+in during the timed passes (bf16 must show bfloat16: autocast has no grouped-matmul kernel, the experts cast
+themselves).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import argparse
 import json
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 
 from moeflow.configs import ModelConfig
-from moeflow.moe.experts import SharedExpert
+from moeflow.moe.experts import SharedExpert, matmul_dtypes
 from moeflow.moe.layer import MoE
 
 H, F, K = 256, 512, 2
@@ -63,15 +66,24 @@ def per_token_loop(layer: MoE, x: torch.Tensor) -> float:
     return x.shape[0] / (time.perf_counter() - t0)
 
 
-def scaling(tokens: int, repeats: int, dev: torch.device) -> dict[str, float]:
+def _precision(dev: torch.device, precision: str):
+    return torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+def scaling(tokens: int, repeats: int, dev: torch.device, precision: str) -> dict:
     torch.manual_seed(0)
     x = torch.randn(tokens, H, device=dev)
-    out: dict[str, float] = {}
+    out: dict = {}
     dense = SharedExpert(H, K * F, glu=True).to(dev)
-    out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats), 1)
+    with _precision(dev, precision):
+        out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats), 1)
+    dtypes: set[str] = set()
     for e in (8, 16, 32, 64):
         layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=e, top_k=K, expert_hidden=F)).to(dev)
-        out[f"e{e}_tokens_per_s"] = round(tokens_per_s(layer, x.clone().requires_grad_(), repeats), 1)
+        with matmul_dtypes(layer) as seen, _precision(dev, precision):
+            out[f"e{e}_tokens_per_s"] = round(tokens_per_s(layer, x.clone().requires_grad_(), repeats), 1)
+        dtypes |= seen
+    out["expert_matmul_dtype"] = ",".join(sorted(dtypes))
     for e in (16, 32, 64):
         out[f"e{e}_vs_e8"] = round(out[f"e{e}_tokens_per_s"] / out["e8_tokens_per_s"], 3)
     out["moe_e8_vs_dense_ratio"] = round(out["e8_tokens_per_s"] / out["dense_tokens_per_s"], 3)
@@ -89,6 +101,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: under autocast")
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -98,9 +111,12 @@ def main() -> None:
         "expert_hidden": F,
         "top_k": K,
         "device": args.device,
+        "precision": args.precision,
     }
     for tokens in args.tokens:
-        figures.update({f"t{tokens}_{k}": v for k, v in scaling(tokens, args.repeats, dev).items()})
+        out = scaling(tokens, args.repeats, dev, args.precision)
+        figures["expert_matmul_dtype"] = out.pop("expert_matmul_dtype")
+        figures.update({f"t{tokens}_{k}": v for k, v in out.items()})
     layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=8, top_k=K, expert_hidden=F))
     small = torch.randn(256, H)
     with torch.no_grad():

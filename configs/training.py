@@ -104,11 +104,17 @@ class TrainConfig(Frozen):
     decay_fraction: float = Field(default=0.2, gt=0, le=1)  # wsd: the share of steps spent decaying
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     warmup_steps: int = Field(default=20, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)  # on matrices (moe/optim.py)
+    embedding_weight_decay: bool = False  # decay the tied embedding / LM head too (OLMo-core: off)
+    # false: a packed row's documents attend across their EOS separators and positions run on (nanoGPT, OLMo);
+    # true: attention within each document, positions from its start (Llama 3, Olmo 3); evaluation follows
+    document_mask: bool = False
     grad_clip: float = Field(default=1.0, gt=0)
     # where it computes (auto: CUDA when present); like the number of ranks, not part of the key
     device: Literal["auto", "cpu", "cuda"] = operational("auto")
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast where the device supports it
+    # Both router losses are averaged over the MoE layers, where Switch, ST-MoE and Megatron add each layer's:
+    # a Switch-style coefficient a per layer is a * (MoE layers) here (0.01 here is 0.01 / L there).
     load_balance_coef: float = Field(default=0.01, ge=0)
     router_z_coef: float = Field(default=0.001, ge=0)
     logit_z_coef: float = Field(default=0.0, ge=0)  # z-loss on the LM head's logits

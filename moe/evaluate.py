@@ -52,7 +52,8 @@ def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
 def load_model(train_dir: Path) -> Transformer:
     meta = json.loads((Path(train_dir) / "model_config.json").read_text())
     vocab, seq_len = meta.pop("vocab_size"), meta.pop("max_seq_len")
-    model = Transformer(ModelConfig(**meta), vocab, seq_len)
+    eos = meta.pop("document_eos", None)  # attention within documents, if trained so (absent: whole rows)
+    model = Transformer(ModelConfig(**meta), vocab, seq_len, eos)
     model.load_state_dict(load_file(str(Path(train_dir) / "model.safetensors")), strict=True)
     return model.eval()
 
@@ -95,10 +96,10 @@ def encode_pair(tok, context: str, continuation: str, eos: int) -> tuple[list[in
 def _hidden(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tensor:
     """The LM head's input (`Transformer.forward` without the head): scoring needs logits only where a
     continuation is, and the head over a large vocabulary at every position dominates a small model."""
-    S = tokens_BS.shape[1]
     x = model.embed(tokens_BS)
+    attention = model.attention_inputs(tokens_BS)
     for block in model.blocks:
-        x, _ = block(x, model.rope_cos[:S], model.rope_sin[:S])
+        x, _ = block(x, *attention)
     return model.norm(x)
 
 

@@ -3,8 +3,9 @@
 On a CUDA machine it (1) installs MegaBlocks and grouped_gemm against the torch already there, (2) trains
 the torch backend on the GPU in bf16 for 20 steps and compares the loss curve with the CPU's float32
 curve, (3) compares MegaBlocks' real kernels with the torch backend on the GPU, (4) trains a model that
-fills the GPU for 200 steps and reports tokens/s and MFU, and (5) runs the expert-count scaling
-benchmark (`benchmarks/moe_scaling.py --device cuda`: 8 to 64 experts at fixed active parameters).
+fills the GPU for 200 steps and reports tokens/s, MFU and the dtype its experts' matmuls ran in, and (5) runs
+the expert-count scaling benchmark (`benchmarks/moe_scaling.py --device cuda --precision bf16`: 8 to 64
+experts at fixed active parameters; it reports the experts' matmul dtype too).
 Each part records its own error in the JSON and the others still run. `--device cpu --small` runs the
 same code on the CPU, at toy sizes, to check the script itself where no GPU is lent.
 """
@@ -28,6 +29,7 @@ from moeflow.configs import ModelConfig, TrainConfig
 from moeflow.moe import device as devices
 from moeflow.moe import train
 from moeflow.moe.backend import build_moe
+from moeflow.moe.experts import matmul_dtypes
 from moeflow.tokenize import mix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,16 +95,26 @@ def throughput(data_dir: Path, dev: str, small: bool) -> dict:
                         top_k=2, expert_hidden=width // 2)
     cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq, lr=1e-4, warmup_steps=2, device=dev,
                       precision="bf16", checkpoint_every=steps, log_every=10)
+    dtype = _expert_dtype(train.build_model(model, tok.get_vocab_size(), seq, 0), np.stack(rows[:batch]), dev)
     summary = train.run(model, cfg, seed=0, mix_dir=data_dir, tokenizer_dir=data_dir, out=data_dir / "out")
     return {"params_active": summary["params_active"], "tokens_per_s": summary["tokens_per_s"],
-            "mfu": summary.get("mfu"), "device": summary["device"]}
+            "mfu": summary.get("mfu"), "device": summary["device"], "expert_matmul_dtype": dtype}
+
+
+def _expert_dtype(model: torch.nn.Module, rows: np.ndarray, dev: str) -> str:
+    """The dtype the experts' matmuls run in when training computes a batch in bf16 (one forward)."""
+    where = devices.resolve(dev)
+    model.to(where)
+    with matmul_dtypes(model) as seen, torch.no_grad(), torch.autocast(where.type, dtype=torch.bfloat16):
+        model(devices.batch(np.ascontiguousarray(rows[:, :-1]), where))
+    return ",".join(sorted(seen))
 
 
 def scaling_benchmark(dev: str, small: bool) -> dict:
     sizes = ["1024", "--repeats", "1"] if small else ["16384", "65536", "--repeats", "3"]
     bench = ROOT / "benchmarks" / "moe_scaling.py"
-    proc = subprocess.run([sys.executable, str(bench), "--device", dev, "--tokens", *sizes],
-                          capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, str(bench), "--device", dev, "--precision", "bf16", "--tokens", *sizes]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-1500:])
     return json.loads(proc.stdout.splitlines()[-1])

@@ -3,7 +3,9 @@
 Legend: T tokens, D model width, E experts, K experts per token, A = T*K assignments.
 Dropless by default: every (token, expert) assignment is computed. With `capacity_factor` set, each
 expert keeps its first ceil(cf * A / E) assignments in token order and drops the rest (their
-contribution is zero); the drop rate is reported, for comparison with the dropless layer.
+contribution is zero) while training; the drop rate is reported, for comparison with the dropless layer.
+In evaluation (`model.eval()`) the layer is dropless whatever the factor: a token's score must not depend
+on which other tokens share its batch.
 `moe/backend.py` picks the backend: this reference, or MegaBlocks' dMoE on CUDA.
 """
 
@@ -39,9 +41,10 @@ class MoE(nn.Module):
         r = self.router(x_TD)
         experts_A = r.experts_TK.reshape(-1)
         order_A = experts_A.argsort(stable=True)  # stable: within an expert, assignments stay in token order
-        routed_E = torch.bincount(experts_A, minlength=self.num_experts)
+        # a scatter, not bincount: CUDA's bincount reads the largest id back to the host to size its output
+        routed_E = experts_A.new_zeros(self.num_experts).scatter_add_(0, experts_A, torch.ones_like(experts_A))
         tokens_per_expert_E = routed_E
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and self.training:
             capacity = math.ceil(self.capacity_factor * experts_A.numel() / self.num_experts)
             start_E = routed_E.cumsum(0) - routed_E
             rank_A = torch.arange(order_A.numel(), device=x.device) - start_E[experts_A[order_A]]

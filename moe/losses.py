@@ -14,8 +14,8 @@ def load_balancing_loss(*, probs_TE: torch.Tensor, tokens_per_expert_E: torch.Te
     T*K is the sum of the counts, so counts summed over data-parallel ranks give each rank the share
     of the global loss whose mean over ranks is the loss of the whole batch (and so is its gradient)."""
     num_experts = probs_TE.shape[1]
-    scale = num_experts / int(tokens_per_expert_E.sum())
-    return scale * torch.dot(tokens_per_expert_E.to(probs_TE.dtype), probs_TE.mean(dim=0))
+    counts_E = tokens_per_expert_E.to(probs_TE.dtype)  # the sum stays on the device: no host sync
+    return num_experts * torch.dot(counts_E, probs_TE.mean(dim=0)) / counts_E.sum()
 
 
 def router_z_loss(*, logits_TE: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,11 @@
 torchrun each rank's timings and expert load, and the summary of a whole run.
 
 A step's record holds: loss, cross-entropy, load-balancing, router z and logit z losses, grad norm (total
-and per parameter group), learning rate, tokens/s, achieved TFLOP/s and MFU (when the device's peak is
-configured or known), tokens per expert per MoE layer, load imbalance (max/mean) and token drop rate.
+and per parameter group), learning rate, tokens/s (the whole batch's, over every rank), achieved TFLOP/s per
+device and MFU (when the device's peak is configured or known), tokens per expert per MoE layer, load
+imbalance (max/mean) and token drop rate. MFU is per device: the step's model FLOPs (6 x active parameters +
+attention, per token, times the batch's tokens) over its time on rank 0, divided by the number of devices
+that shared them and by one device's peak.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ class Step:
     tokens_per_expert: list[list[int]]  # per MoE layer, over every rank
     dropped: int
     seconds: float
-    tokens: int
+    tokens: int  # the whole batch's, over every rank
     flops_per_token: int
+    devices: int = 1  # ranks that computed the batch together
 
     @property
     def ce(self) -> float:
@@ -64,7 +68,7 @@ class Step:
     def record(self, cfg: TrainConfig, peak: float | None) -> dict:
         n = self.micro_batches
         assignments = sum(sum(c) for c in self.tokens_per_expert)
-        tflops = self.flops_per_token * self.tokens / self.seconds / 1e12
+        tflops = self.flops_per_token * self.tokens / self.seconds / self.devices / 1e12  # per device
         return {
             "step": self.number,
             "phase": self.phase,
@@ -97,12 +101,15 @@ def group_of(name: str) -> str:
 
 
 def group_grad_norms(model: torch.nn.Module) -> dict[str, float]:
+    """Gradient norm per parameter group; one host sync for all of them (one per parameter costs a GPU
+    step its queue)."""
+    named = [(group_of(name), p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return {}
+    squares = torch.stack([g.detach().float().square().sum() for _, g in named]).tolist()
     sums: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        group = group_of(name)
-        sums[group] = sums.get(group, 0.0) + float(p.grad.detach().float().square().sum())
+    for (group, _), v in zip(named, squares):
+        sums[group] = sums.get(group, 0.0) + v
     return {g: round(math.sqrt(v), 5) for g, v in sorted(sums.items())}
 
 

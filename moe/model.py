@@ -1,9 +1,25 @@
 """A decoder-only transformer with MoE feed-forwards (RMSNorm, RoPE, SDPA; optional dense first layers).
 
 Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary.
+
+Initialisation is GPT-2's (as nanoGPT and Megatron-LM's scaled init apply it), the same for dense and MoE
+layers: every matrix (the tied embedding, attention's qkv, the router, experts' and MLPs' input
+projections) is drawn from normal(0, 0.02); the projections that write into the residual stream
+(attention's `out`, experts' `w2`, dense and shared MLPs' `down_proj`) from normal(0, 0.02 / sqrt(2 *
+n_layers)), so the 2 * n_layers updates a token's residual stream receives add up to a variance that does
+not grow with depth; RMSNorm gains start at 1. `init_weights` applies it by parameter name, after the
+modules are built, so the MegaBlocks backend (which shares the reference layer's tensors) gets it too.
+
+Packed rows hold several documents, each followed by EOS. By default attention is causal over the whole row
+(nanoGPT's and OLMo's default): a document sees the end of the one before it, and positions run on across
+the boundary. With `document_eos` set (`train.document_mask: true`, as Llama 3 and Olmo 3 train) each EOS
+opens a document: a token attends only to its own document (the EOS before it included) and its rotary
+position counts from that EOS, so a document is computed as if it were alone in the row.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +49,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+        """cos, sin: [S, Dh/2], or [B, 1, S, Dh/2] with positions per document; mask: None for causal."""
         B, S, D = x_BSD.shape
         q, k, v = self.qkv(x_BSD).view(B, S, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None)
         return self.out(y.transpose(1, 2).reshape(B, S, D))
 
 
@@ -52,38 +70,63 @@ class Block(nn.Module):
         else:  # a dense MLP as wide as the experts a token visits: equal active parameters
             self.mlp = SharedExpert(cfg.d_model, cfg.dense_hidden or cfg.top_k * cfg.expert_hidden, cfg.glu)
 
-    def forward(self, x, cos, sin) -> tuple[torch.Tensor, dict | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None) -> tuple[torch.Tensor, dict | None]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         if hasattr(self, "moe"):
             y, aux = self.moe(self.ffn_norm(x))
             return x + y, aux
         return x + self.mlp(self.ffn_norm(x)), None
 
 
+INIT_STD = 0.02
+RESIDUAL_OUTPUTS = ("attn.out.weight", "experts.mlp.w2", "down_proj.weight")  # write into the residual stream
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2's initialisation (module docstring), in parameter order: the same draws from the same seed."""
+    scaled = INIT_STD / math.sqrt(2 * n_layers)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:  # norm gains keep their 1
+            nn.init.normal_(p, std=scaled if name.endswith(RESIDUAL_OUTPUTS) else INIT_STD)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_len: int, document_eos: int | None = None):
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
+        self.cfg, self.vocab_size, self.document_eos = cfg, vocab_size, document_eos
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
+        init_weights(self, cfg.n_layers)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         """Logits [B, S, V] and, for each MoE layer in order, its aux losses and metrics."""
-        S = tokens_BS.shape[1]
         x = self.embed(tokens_BS)
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        attention = self.attention_inputs(tokens_BS)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x, cos, sin)
+            x, aux = block(x, *attention)
             if aux is not None:
                 auxes.append(aux)
         logits_BSV = self.norm(x) @ self.embed.weight.T  # tied LM head
         return logits_BSV, auxes
+
+    def attention_inputs(self, tokens_BS: torch.Tensor) -> tuple:
+        """(cos, sin, mask) for every block: the row's positions and causal attention, or, with
+        `document_eos`, positions from each document's EOS and attention within the document."""
+        B, S = tokens_BS.shape
+        if self.document_eos is None:
+            return self.rope_cos[:S], self.rope_sin[:S], None
+        opens_BS = tokens_BS == self.document_eos
+        doc_BS = opens_BS.cumsum(1)  # each EOS opens the next document
+        at_BS = torch.arange(S, device=tokens_BS.device).expand(B, S)
+        pos_BS = at_BS - torch.where(opens_BS, at_BS, 0).cummax(1).values
+        causal_SS = torch.ones(S, S, dtype=torch.bool, device=tokens_BS.device).tril()
+        mask_B1SS = ((doc_BS[:, :, None] == doc_BS[:, None, :]) & causal_SS).unsqueeze(1)
+        return self.rope_cos[pos_BS].unsqueeze(1), self.rope_sin[pos_BS].unsqueeze(1), mask_B1SS
 
     def num_params(self) -> dict[str, int]:
         """Total and active parameters (active: each token uses top_k of num_experts experts)."""

@@ -10,10 +10,16 @@ import torch
 from moeflow.configs import TrainConfig
 
 
+def decays(name: str, p: torch.nn.Parameter, cfg: TrainConfig) -> bool:
+    """Weight decay on matrices only: decaying norm gains would pull them towards zero, not towards 1. The
+    tied embedding / LM head is left out too unless `train.embedding_weight_decay` (OLMo-core's default):
+    decay shrinks the rows of rare tokens, whose gradients seldom push back."""
+    return p.dim() >= 2 and (cfg.embedding_weight_decay or not name.startswith("embed."))
+
+
 def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Weight decay on matrices only: decaying norm gains would pull them towards zero, not towards 1."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for n, p in model.named_parameters() if decays(n, p, cfg)]
+    no_decay = [p for n, p in model.named_parameters() if not decays(n, p, cfg)]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,

@@ -140,16 +140,20 @@ class World:
         Expert parts are summed over ranks.
         """
         names = sorted({group_of(n) for n, _ in model.named_parameters()})
-        # column 0: replicated, column 1: sharded
-        sums = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
+        # column 0: replicated, column 1: sharded; summed on the device, read back once (no sync per parameter)
+        sums = torch.zeros(len(names) * 2, dtype=torch.float64, device=self.device)
+        cells, squares = [], []
         for n, p in model.named_parameters():
             if p.grad is not None:
-                sums[names.index(group_of(n)), int(self.sharded(n))] += float(
-                    p.grad.detach().float().square().sum()
-                )
+                cells.append(2 * names.index(group_of(n)) + int(self.sharded(n)))
+                squares.append(p.grad.detach().float().square().sum().double())
+        if squares:
+            sums.index_add_(0, torch.tensor(cells, device=self.device), torch.stack(squares).to(self.device))
+        sums = sums.view(len(names), 2)
         sharded = sums[:, 1].clone()
         dist.all_reduce(sharded)
-        return {g: float(sums[i, 0] + sharded[i]) for i, g in enumerate(names) if sums[i].any() or sharded[i]}
+        local, shared = sums[:, 0].tolist(), sharded.tolist()
+        return {g: local[i] + shared[i] for i, g in enumerate(names) if local[i] or shared[i]}
 
     def mean(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

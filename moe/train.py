@@ -34,6 +34,7 @@ from moeflow.moe.metrics import Step, group_grad_norms, group_of, rank_metrics, 
 from moeflow.moe.model import Transformer, lm_loss
 from moeflow.moe.optim import adamw, lr_at
 from moeflow.moe.runlog import RunLog
+from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,10 @@ class StopTraining(Exception):
     """Raised by `stop_after` to end a run between steps, as a kill would (tests use it)."""
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int) -> Transformer:
+def build_model(model_cfg: ModelConfig, vocab_size: int, seq_len: int, seed: int,
+                document_eos: int | None = None) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(model_cfg, vocab_size, seq_len)
+    return Transformer(model_cfg, vocab_size, seq_len, document_eos)
 
 
 def _autocast(precision: str, device_type: str):
@@ -66,7 +68,7 @@ class _Totals:
     load_balancing: float = 0.0
     router_z: float = 0.0
     logit_z: float = 0.0
-    tokens_per_expert: list[torch.Tensor] | None = None  # per MoE layer
+    tokens_per_expert: torch.Tensor | None = None  # [MoE layer, expert]
     dropped: int = 0
 
 
@@ -91,9 +93,11 @@ class Trainer:
             raise ValueError(
                 f"train: the mix holds {len(self.data)} sequences, {needed} are needed (steps x batch_size)"
             )
-        self.vocab = load_tokenizer(tokenizer_dir).get_vocab_size()
+        tok = load_tokenizer(tokenizer_dir)
+        self.vocab = tok.get_vocab_size()
+        self.eos = tok.token_to_id(EOS) if cfg.document_mask else None
         self.max_len = max(self.data.max_len, cfg.seq_len)
-        self.model = build_model(model_cfg, self.vocab, self.max_len, seed)
+        self.model = build_model(model_cfg, self.vocab, self.max_len, seed, self.eos)
         if self.world is not None:
             self.world.shard(self.model)
         self.model.to(self.dev)
@@ -152,9 +156,10 @@ class Trainer:
             number=i + 1, phase=int(self.data.phase[first]), seq_len=seq_len, lr=lr,
             micro_batches=cfg.grad_accum, ce_sum=totals.ce, load_balancing_sum=totals.load_balancing,
             router_z_sum=totals.router_z, logit_z_sum=totals.logit_z, grad_norm=grad_norm,
-            grad_norm_groups=groups, tokens_per_expert=[c.tolist() for c in totals.tokens_per_expert],
+            grad_norm_groups=groups,
+            tokens_per_expert=totals.tokens_per_expert.tolist() if totals.tokens_per_expert is not None else [],
             dropped=totals.dropped, seconds=seconds, tokens=cfg.batch_size * seq_len,
-            flops_per_token=self.model.flops_per_token(seq_len),
+            flops_per_token=self.model.flops_per_token(seq_len), devices=self.world.size if self.world else 1,
         )
 
     def forward_backward(self, rows: np.ndarray, t: _Totals) -> None:
@@ -167,17 +172,16 @@ class Trainer:
         z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
         loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
         (loss / cfg.grad_accum).backward()
+        dropped = torch.stack([a["dropped"] for a in auxes]).sum() if auxes else ce.new_zeros(())
+        # one host sync for the micro-batch's terms (one per term and layer costs a GPU its queue)
+        values = torch.stack([v.detach().float() for v in (ce, lb, z, logit_z, dropped)]).tolist()
         t.ce, t.load_balancing, t.router_z, t.logit_z = (
-            t.ce + ce.item(),
-            t.load_balancing + lb.item(),
-            t.router_z + z.item(),
-            t.logit_z + logit_z.item(),
+            t.ce + values[0], t.load_balancing + values[1], t.router_z + values[2], t.logit_z + values[3]
         )
-        counts = [a["tokens_per_expert"] for a in auxes]
-        t.tokens_per_expert = (
-            counts if t.tokens_per_expert is None else [a + b for a, b in zip(t.tokens_per_expert, counts)]
-        )
-        t.dropped += sum(int(a["dropped"]) for a in auxes)
+        t.dropped += round(values[4])
+        if auxes:
+            counts = torch.stack([a["tokens_per_expert"] for a in auxes])
+            t.tokens_per_expert = counts if t.tokens_per_expert is None else t.tokens_per_expert + counts
 
     def clip(self, t: _Totals) -> tuple[dict[str, float], float]:
         """Clip the gradients by the whole model's norm; (norm per parameter group, norm) before clipping.
@@ -228,8 +232,8 @@ class Trainer:
         if not self.main:
             return None
         self.runlog.close()
-        _publish(self.work, self.out, {**self.model_cfg.model_dump(mode="json"), "vocab_size": self.vocab,
-                                       "max_seq_len": self.max_len})
+        meta = {**self.model_cfg.model_dump(mode="json"), "vocab_size": self.vocab, "max_seq_len": self.max_len}
+        _publish(self.work, self.out, meta if self.eos is None else {**meta, "document_eos": self.eos})
         records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
         summary = summarise(
             records, self.model, self.model_cfg, self.cfg, vocab=self.vocab, max_len=self.max_len,

@@ -81,3 +81,5 @@ def test_gpu_check_runs_its_own_code_on_the_cpu_at_toy_sizes():
     assert out["bf16_vs_cpu_fp32"]["ok"], out["bf16_vs_cpu_fp32"]
     assert out["throughput"]["tokens_per_s"] > 0 and out["throughput"]["mfu"] is None
     assert out["moe_scaling"]["device"] == "cpu" and out["moe_scaling"]["t1024_e64_vs_e8"] > 0
+    # both report the dtype the experts' matmuls ran in: bf16, as training under `precision: bf16` runs them
+    assert out["throughput"]["expert_matmul_dtype"] == out["moe_scaling"]["expert_matmul_dtype"] == "bfloat16"
