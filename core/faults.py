@@ -6,6 +6,8 @@
 - `half`, or a fraction such as `0.37`: that far through the body's records (documents read, ingest's
   bytes, training steps; a seeded test draws the fraction);
 - `written`: the body has written its files, no manifest yet;
+- `publish`: in the store's commit: sealed in staging (local), or its data uploaded and no manifest written
+  (object store);
 - `committed`: the artifact is published, the run has not recorded it.
 At the point the process prints what it kills, then SIGKILLs its own process group (the run and its pool
 workers); `MOEFLOW_FAULT_SCOPE=process` kills only this process (a Ray or Dask worker mid-part), and
@@ -25,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 ENV, SCOPE_ENV, ONCE_ENV = "MOEFLOW_FAULT", "MOEFLOW_FAULT_SCOPE", "MOEFLOW_FAULT_ONCE"
-NAMED = ("inputs", "written", "committed")
+NAMED = ("inputs", "written", "publish", "committed")
 _SPEC = re.compile(r"^(?P<stage>[a-z_]+)(\.(?P<phase>[a-z_]+))?(:(?P<part>\d+))?@(?P<where>[a-z]+|0?\.\d+)$")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import xxhash
 
+from moeflow.core import faults
 from moeflow.store import mirror
 from moeflow.store.format import (
     LINEAGE,
@@ -167,6 +168,7 @@ class Store:
         """Checksum, write manifest and lineage, fsync, and rename `tmp` into place (replacing an old one)."""
         final = self.folder(stage, key)
         manifest = seal(stage, key, tmp, stats, lineage, str(final))
+        faults.at("publish")  # `make chaos`: sealed in staging, not yet renamed into place
         if final.exists():  # a rerun replaces the old artifact; move it aside first so the swap is atomic
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

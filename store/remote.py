@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 import fsspec
 
+from moeflow.core import faults
 from moeflow.store.format import MANIFEST, ORIGIN, ArtifactError
 from moeflow.store.lease import Lease, LeaseLost, Superseded, put_if, version
 from moeflow.store.local import Manifest, Store, seal
@@ -104,6 +105,7 @@ class ObjectStore(Mirror):
         local = [p for p in sorted(tmp.rglob("*")) if p.is_file() and p != tmp / MANIFEST]
         self.fs.put([str(p) for p in local], [self._path(stage, name, data, p.relative_to(tmp).as_posix())
                                               for p in local])
+        faults.at("publish")  # `make chaos`: the data uploaded, no manifest names it yet
         try:
             if lease is not None:
                 lease.settle()  # from here `check` and the conditional write decide, not an interrupt

@@ -55,6 +55,7 @@ def _published(store: Path, stage: str) -> set[str]:
     ("dedup.sign:0@half", set()),
     ("dedup.pairs@written", {"dedup.sign"}),
     ("dedup.join@written", {"dedup.sign", "dedup.pairs", "dedup.clusters"}),
+    ("dedup.clusters@publish", {"dedup.sign", "dedup.pairs"}),  # sealed in staging, never renamed in
     ("dedup.clusters@committed", {"dedup.sign", "dedup.pairs", "dedup.clusters"}),
 ])
 def test_a_stage_is_killed_at_its_armed_point_and_nowhere_else(tmp_path, docs, spec, published):

@@ -146,40 +146,18 @@ def test_a_second_cold_run_gives_identical_artifacts(reference, tmp_path):
 
 # `make chaos`: every stage and phase the smoke preset builds, each at named points of the runner
 # (`core.faults`): after its inputs are verified, halfway through its records, after its files are
-# written (no manifest), after it is published (not yet in the run record); then seeded fractions
+# written (no manifest), sealed but not renamed into place, after it is published (not yet in the run
+# record); then seeded fractions
 KILL_POINTS = (
     "ingest.shard@half", "ingest.join@written",
     "filter@half", "filter@committed",
     "dedup.sign@half", "dedup.pairs@written", "dedup.clusters@inputs", "dedup.join@committed",
-    "decontaminate@half",
+    "decontaminate@half", "decontaminate@publish",
     "tokenize@half", "tokenize@written",
     "mix@written",
     "train@half", "train@committed",
 )
 SEEDED = ("ingest", "train")  # a fraction drawn from the seed: points between the named ones
-
-
-def _kill_inside(
-    proc: subprocess.Popen, store: Path, stage: str, rng: random.Random, timeout: float = 300,
-    staging: str = "",
-) -> bool:
-    """SIGKILL the run's process group at a random moment once `stage` is building (a folder
-    `.<stage>-<staging>...` is in `store/stage`); False if it never was. (The object-store chaos test's
-    polling kill; the named points above replace it here.)"""
-    folder = store / stage
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        building = f".{stage}-{staging}"
-        if folder.exists() and any(p.name.startswith(building) and not p.name.endswith(".lock")
-                                   for p in folder.iterdir()):
-            time.sleep(rng.uniform(0, 1.0))
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.02)
-    proc.kill()
-    proc.wait()
-    return False
 
 
 def _killed_at(proc: subprocess.Popen, spec: str, timeout: float = 600) -> str:
