@@ -1,8 +1,7 @@
 """Benchmark contamination: an index of normalised word n-grams of test items; documents checked against it.
 
-Normalisation: lower-case, words are `\\w+` runs (punctuation and whitespace ignored). An n-gram's
-hash combines its words' xxh3 hashes with a polynomial over uint64, computed for all windows at
-once in numpy. Items with fewer than n words contribute no n-gram (issue #4 refines this rule).
+Words and n-gram hashes: `tokenize.ngrams` (lower-case `\\w+` runs, a polynomial over their xxh3
+hashes). Items with fewer than n words contribute no n-gram (issue #4 refines this rule).
 Left out of the index, as too common to signal a leak: n-grams found in more than
 `max_items_per_ngram` items, and n-grams with fewer than `min_alpha_words` non-numeric words
 (runs of numbers match unrelated tables and logs).
@@ -25,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from moeflow.configs import BenchmarkConfig, DecontamConfig
 from moeflow.core import progress
@@ -34,26 +32,15 @@ from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import formats
 from moeflow.sources import fetch
+from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, words
 from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
-_WORD = re.compile(r"\w+")
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant: the polynomial base of the rolling hash
 
 
 class Unmappable(ValueError):
     """A document's matched windows cannot be placed on its own characters (cut mode quarantines it)."""
-
-
-def _normalised(text: str) -> str:
-    """What the index sees of a text: the text lower-cased. Its words are the `_WORD` runs in this one
-    string, for hashing (`words`) and for cutting (`word_spans`) alike, so word i is the same in both."""
-    return text.lower()
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(_normalised(text))
 
 
 def _lowered_ends(text: str, low: str) -> np.ndarray:
@@ -71,8 +58,8 @@ def _lowered_ends(text: str, low: str) -> np.ndarray:
 
 def word_spans(text: str) -> np.ndarray:
     """(start, end) in `text` itself of each of `words(text)`, in order (shape (words, 2))."""
-    low = _normalised(text)
-    spans = np.array([m.span() for m in _WORD.finditer(low)], dtype=np.int64).reshape(-1, 2)
+    low = normalised(text)
+    spans = np.array([m.span() for m in WORD.finditer(low)], dtype=np.int64).reshape(-1, 2)
     if len(low) == len(text):  # no character changed length: offsets in `low` are offsets in `text`
         return spans
     ends = _lowered_ends(text, low)
@@ -82,29 +69,6 @@ def word_spans(text: str) -> np.ndarray:
     first = np.searchsorted(ends, spans[:, 0], side="right")
     last = np.searchsorted(ends, spans[:, 1] - 1, side="right")
     return np.stack([first, last + 1], axis=1)
-
-
-def window_hashes(toks: list[str], n: int) -> np.ndarray:
-    """uint64 hash of every window of n consecutive words, in order (empty when fewer than n words)."""
-    if len(toks) < n:
-        return np.empty(0, dtype=np.uint64)
-    wh = np.fromiter(map(xxhash.xxh3_64_intdigest, toks), dtype=np.uint64, count=len(toks))
-    m = len(toks) - n + 1
-    acc = np.zeros(m, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(n):
-            acc = acc * _MULT + wh[j : j + m]
-    return acc
-
-
-def ngram_hashes(text: str, n: int, min_alpha: int = 0) -> np.ndarray:
-    """uint64 hashes of the word n-grams of `text` with at least `min_alpha` non-numeric words."""
-    toks = words(text)
-    acc = window_hashes(toks, n)
-    if min_alpha and acc.size:
-        alpha = np.concatenate([[0], np.cumsum([not t.isdigit() for t in toks])])
-        acc = acc[(alpha[n:] - alpha[:-n]) >= min_alpha]
-    return acc
 
 
 def _strings(value) -> Iterator[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeflow.dedup.contamination import window_hashes, words
+from moeflow.tokenize.ngrams import window_hashes, words
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)

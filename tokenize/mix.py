@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from moeflow.configs import ConfigError, MixConfig, Phase
+from moeflow.tokenize.heldout import split
 from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
@@ -34,10 +34,6 @@ BATCH_ROWS = 1024  # sequences per record batch of a mix file
 SEGMENT = pa.struct(
     [("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())]
 )
-
-
-def is_heldout(doc_id: str, fraction: float) -> bool:
-    return xxhash.xxh3_64_intdigest(doc_id.encode()) % 1_000_000 < fraction * 1_000_000
 
 
 def pack(
@@ -182,7 +178,7 @@ def run(
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
     length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
-    train, heldout = _split_heldout(_by_domain(index, phases), cfg.heldout_fraction)
+    train, heldout = split(_by_domain(index, phases), cfg.heldout_fraction)
     rng = np.random.default_rng(seed)
     domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
@@ -239,20 +235,6 @@ def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:
                 "the data stages"
             )
     return by_domain
-
-
-def _split_heldout(by_domain: dict[str, list[str]], fraction: float) -> tuple[dict, dict]:
-    """(train, heldout) ids per domain; a domain of two or more documents holds out at least one."""
-    heldout: dict[str, list[str]] = {}
-    train: dict[str, list[str]] = {}
-    for domain, ids in sorted(by_domain.items()):
-        ho = [d for d in ids if is_heldout(d, fraction)]
-        if not ho and len(ids) >= 2:
-            ho = [min(ids, key=lambda d: xxhash.xxh3_64_intdigest(d.encode()))]
-        heldout[domain] = ho
-        held = set(ho)
-        train[domain] = [d for d in ids if d not in held]
-    return train, heldout
 
 
 def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain], length: dict[str, int],
