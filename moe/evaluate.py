@@ -1,5 +1,8 @@
 """Evaluation: held-out cross-entropy per domain on the mix's held-out sequences, and benchmark scores.
 
+A domain's loss is measured on at most `evaluate.max_sequences_per_domain` of its held-out rows, spread across
+its held-out documents (`spread`), and reports how many documents those rows cover.
+
 Benchmark requests (`dedup.formats`) are scored as lm-evaluation-harness's causal models score them:
 trailing spaces of the context move to the continuation, the two are encoded together and split at the
 context's length, an input longer than the model's window keeps its right end, and a continuation's
@@ -64,10 +67,14 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
     model = load_model(train_dir).to(dev)
     path = Path(mix_dir) / "heldout.arrow"
     data = sequences(path)
-    domains = np.asarray(mix.read(path).column("domain").to_pylist())
+    table = mix.read(path)
+    domains = np.asarray(table.column("domain").to_pylist())
+    segments = table.column("segments").to_pylist()
     results = {}
     for domain in sorted(set(domains.tolist())):
-        rows = data[domains == domain][: cfg.max_sequences_per_domain]
+        mine = np.flatnonzero(domains == domain)
+        picked = mine[spread([segments[i] for i in mine], cfg.max_sequences_per_domain)]
+        rows = data[picked]
         losses = [lm_loss(model, device.batch(rows[i : i + 8], dev))[0].item() * len(rows[i : i + 8])
                   for i in range(0, len(rows), 8)]
         loss = sum(losses) / len(rows)
@@ -76,9 +83,29 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
             "perplexity": round(math.exp(loss), 2),
             "sequences": int(len(rows)),
             "tokens": int(len(rows) * (rows.shape[1] - 1)),
+            "documents": len({seg["doc_id"] for i in picked for seg in segments[i]}),
+            "heldout_documents": len({seg["doc_id"] for i in mine for seg in segments[i]}),
         }
     (out / "eval.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"heldout": results}
+
+
+def spread(segments: list[list[dict]], cap: int) -> np.ndarray:
+    """At most `cap` of a domain's held-out rows (given by their segments), taken across its documents: each
+    row belongs to the document with the most tokens in it, the documents take turns for the `cap` places,
+    and each document's rows are evenly spaced through it. Row order is kept."""
+    owner = [max(segs, key=lambda s: s["length"])["doc_id"] for segs in segments]
+    rows_of: dict[str, list[int]] = {}
+    for i, doc in enumerate(owner):
+        rows_of.setdefault(doc, []).append(i)
+    have = np.array([len(rows_of[d]) for d in sorted(rows_of)], np.int64)
+    take = np.zeros_like(have)
+    while take.sum() < min(cap, have.sum()):  # one more row for every document that has one left
+        more = np.flatnonzero(take < have)[: min(cap, int(have.sum())) - int(take.sum())]
+        take[more] += 1
+    picked = [rows_of[d][j] for d, n, k in zip(sorted(rows_of), have, take, strict=True)
+              for j in (np.arange(k) * n // max(k, 1)).tolist()]
+    return np.array(sorted(picked), np.int64)
 
 
 def encode_pair(tok, context: str, continuation: str, eos: int) -> tuple[list[int], list[int]]:

@@ -94,7 +94,7 @@ def test_store_round_trips_text_and_shards(built, docs):
 def test_every_packed_token_traces_to_its_document(built, tmp_path):
     tok_dir, store_dir, _ = built
     stats = mix.run(
-        MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1),
+        MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}),
         seed=3,
         phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})],
         batch_size=4,
@@ -136,7 +136,7 @@ def test_phases_have_their_lengths_weights_and_budgets(built, tmp_path, monkeypa
         _phase("short", 0, 6, 16, {"a": 0.8, "b": 0.2}),
         _phase("long", 6, 4, 48, {"a": 0.2, "b": 0.8}, index=1),
     ]
-    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout_fraction=0.1)
+    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1})
     stats = mix.run(
         cfg, seed=3, phases=phases, batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir, out=tmp_path
     )
@@ -177,7 +177,7 @@ def test_a_phase_needing_too_many_epochs_is_a_config_error_naming_it(built, tmp_
     tok_dir, store_dir, _ = built
     cfg = MixConfig(
         weights={"a": 0.5, "b": 0.5},
-        heldout_fraction=0.1,
+        heldout={"fraction": 0.1},
         max_epochs=2,
         phases=({"name": "p0", "fraction": 0.5}, {"name": "p1"}),
     )

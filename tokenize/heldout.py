@@ -1,23 +1,127 @@
-"""The held-out split: which documents evaluation keeps out of training, chosen by a hash of their id."""
+"""The held-out split: which documents evaluation keeps out of training, and how much of them training sees.
+
+Documents are held out by group, so that every version of a work falls on one side: `mix.heldout.group_by`
+(a regular expression over ids) names each id's group, and a group is held out by a hash of its key (stable
+whatever else changes), at least one group per domain that has two or more. Grouping by name cannot catch
+every copy (an anthology holds a poem that is also a file of its own), so the split is measured: each held-out
+document's word n-grams, hashed as decontamination hashes them, are looked up in every training document.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
 import xxhash
 
+from moeflow.configs import HeldoutConfig
+from moeflow.tokenize.ngrams import ngram_hashes
+from moeflow.tokenize.store import iter_tokens
 
-def is_heldout(doc_id: str, fraction: float) -> bool:
-    return xxhash.xxh3_64_intdigest(doc_id.encode()) % 1_000_000 < fraction * 1_000_000
+log = logging.getLogger(__name__)
+TOP = 5  # held-out documents with the most overlap named in the stats (all of them in `leakage.json`)
 
 
-def split(by_domain: dict[str, list[str]], fraction: float) -> tuple[dict, dict]:
-    """(train, heldout) ids per domain; a domain of two or more documents holds out at least one."""
-    heldout: dict[str, list[str]] = {}
-    train: dict[str, list[str]] = {}
-    for domain, ids in sorted(by_domain.items()):
-        ho = [d for d in ids if is_heldout(d, fraction)]
-        if not ho and len(ids) >= 2:
-            ho = [min(ids, key=lambda d: xxhash.xxh3_64_intdigest(d.encode()))]
-        heldout[domain] = ho
-        held = set(ho)
-        train[domain] = [d for d in ids if d not in held]
+def _hash(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    return _hash(key) % 1_000_000 < fraction * 1_000_000
+
+
+def group_key(doc_id: str, pattern: re.Pattern | None) -> str:
+    """The groups `pattern` captures in `doc_id`, joined by "/"; the id itself when it does not match."""
+    m = pattern.search(doc_id) if pattern is not None else None
+    return "/".join(g or "" for g in m.groups()) if m else doc_id
+
+
+def split(by_domain: dict[str, list[str]], cfg: HeldoutConfig) -> tuple[dict, dict]:
+    """(train, heldout) ids per domain; a domain of two or more groups holds out at least one, and a group
+    falls wholly on one side, in every domain it has documents in."""
+    pattern = re.compile(cfg.group_by) if cfg.group_by else None
+    key = {d: group_key(d, pattern) for ids in by_domain.values() for d in ids}
+    held = {k for k in set(key.values()) if is_heldout(k, cfg.fraction)}
+    for _, ids in sorted(by_domain.items()):
+        keys = {key[d] for d in ids}
+        if len(keys) >= 2 and not keys & held:
+            held.add(min(keys, key=_hash))
+    heldout = {dom: [d for d in ids if key[d] in held] for dom, ids in sorted(by_domain.items())}
+    train = {dom: [d for d in ids if key[d] not in held] for dom, ids in sorted(by_domain.items())}
     return train, heldout
+
+
+def _ngrams(toks: np.ndarray, tok, n: int) -> np.ndarray:
+    return np.unique(ngram_hashes(tok.decode(toks.tolist(), skip_special_tokens=False), n))
+
+
+class _HeldoutNgrams:
+    """Every held-out document's distinct n-grams, sorted by hash with their owner (the held-out set is the
+    small side: the training documents stream past it one at a time)."""
+
+    def __init__(self, store_dir: Path, tok, ids: list[str], n: int):
+        at = {d: i for i, d in enumerate(ids)}
+        hashes, owners = [np.empty(0, np.uint64)], [np.empty(0, np.int64)]
+        for doc_id, toks in iter_tokens(store_dir, set(ids)):
+            h = _ngrams(toks, tok, n)
+            hashes.append(h)
+            owners.append(np.full(h.size, at[doc_id], np.int64))
+        h, o = np.concatenate(hashes), np.concatenate(owners)
+        order = np.argsort(h, kind="stable")
+        self.hashes, self.owners = h[order], o[order]
+        self.sizes = np.bincount(self.owners, minlength=len(ids))
+        self.found = np.zeros(self.hashes.size, bool)
+
+    def lookup(self, h: np.ndarray) -> np.ndarray:
+        """Positions in `hashes` of the n-grams in `h` (each once per held-out document that has it)."""
+        lo = np.searchsorted(self.hashes, h, "left")
+        n = np.searchsorted(self.hashes, h, "right") - lo
+        lo, n = lo[n > 0], n[n > 0]
+        return np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo, n)
+
+
+def leakage(store_dir: Path, tok, train: dict[str, list[str]], heldout: dict[str, list[str]],
+            cfg: HeldoutConfig) -> list[dict]:
+    """Per held-out document: its distinct word n-grams, how many of them are in some training document
+    (`share`), and the training document that holds the most of them; largest share first."""
+    domain_of = {d: dom for dom, ids in heldout.items() for d in ids}
+    ids = sorted(domain_of)
+    held = _HeldoutNgrams(store_dir, tok, ids, cfg.ngram)
+    best = np.zeros(len(ids), np.int64)
+    best_doc: list[str | None] = [None] * len(ids)
+    trained = {d for v in train.values() for d in v}
+    for doc_id, toks in iter_tokens(store_dir, trained):
+        pos = held.lookup(_ngrams(toks, tok, cfg.ngram))
+        if not pos.size:
+            continue
+        held.found[pos] = True
+        shared = np.bincount(held.owners[pos], minlength=len(ids))
+        for i in np.flatnonzero((shared > best) | ((shared == best) & (shared > 0))):
+            if shared[i] > best[i] or doc_id < best_doc[i]:  # ties: the first id, whatever the store order
+                best[i], best_doc[i] = shared[i], doc_id
+    seen = np.bincount(held.owners[held.found], minlength=len(ids))
+    rows = [{"doc_id": d, "domain": domain_of[d], "ngrams": int(held.sizes[i]), "in_training": int(seen[i]),
+             "share": round(float(seen[i] / held.sizes[i]), 4) if held.sizes[i] else 0.0,
+             "top_training_doc": best_doc[i], "top_shared": int(best[i])} for i, d in enumerate(ids)]
+    return sorted(rows, key=lambda r: (-r["share"], r["doc_id"]))
+
+
+def summary(rows: list[dict], cfg: HeldoutConfig) -> dict:
+    """The mix's leakage stats: per domain, the documents above `max_leak` (warned about) and the largest."""
+    per_domain: dict[str, dict] = {}
+    for r in rows:
+        d = per_domain.setdefault(r["domain"], {"documents": 0, "ngrams": 0, "in_training": 0})
+        d["documents"] += 1
+        d["ngrams"] += r["ngrams"]
+        d["in_training"] += r["in_training"]
+    for d in per_domain.values():
+        d["share"] = round(d["in_training"] / d["ngrams"], 4) if d["ngrams"] else 0.0
+    leaks = [r for r in rows if r["share"] > cfg.max_leak]
+    for r in leaks:
+        log.warning("mix: held-out document %s shares %.1f%% of its %d-grams with training documents "
+                    "(most with %s), over mix.heldout.max_leak = %g; group them with mix.heldout.group_by",
+                    r["doc_id"], 100 * r["share"], cfg.ngram, r["top_training_doc"], cfg.max_leak)
+    return {"ngram": cfg.ngram, "max_leak": cfg.max_leak, "group_by": cfg.group_by,
+            "per_domain": dict(sorted(per_domain.items())), "leaks": leaks, "largest": rows[:TOP]}

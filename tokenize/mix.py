@@ -1,8 +1,8 @@
 """Domain mixing: hold out evaluation documents, sample training documents by domain weight, pack sequences.
 
-Held-out documents are chosen by a hash of their id (stable whatever else changes), at least one
-per domain that has two or more documents. Training documents are drawn per domain in a seeded
-order until the domain has its share of the token budget, repeating a domain's documents (epochs)
+Held-out documents are chosen by group (`tokenize.heldout`: every version of a work on one side), and
+their overlap with the training documents is measured (`leakage.json`). Training documents are drawn
+per domain in a seeded order until the domain has its share of the token budget, repeating a domain's documents (epochs)
 when it is too small; repetitions are recorded. The drawn documents are shuffled together and
 packed, separated by the end-of-text token, into sequences of `seq_len + 1` tokens, which are shuffled
 again so that no long document fills consecutive batches.
@@ -13,11 +13,12 @@ Outputs: `train.arrow` and `heldout.arrow` (uncompressed Arrow IPC in the stream
 without a copy; the format `datasets` caches in, so `datasets.Dataset.from_file` opens them), each row one
 sequence with the segments it holds: (doc_id, position in the sequence, offset in the document, length);
 `train.arrow` also holds each row's phase (rows of different phases have different lengths), and
-`heldout.arrow` each row's domain, at the last phase's context length.
+`heldout.arrow` each row's domain, at the last phase's context length, each domain's documents in id order.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +26,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moeflow.configs import ConfigError, MixConfig, Phase
-from moeflow.tokenize.heldout import split
+from moeflow.tokenize import heldout as heldout_split
 from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import EOS
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
+LEAKAGE = "leakage.json"  # the held-out documents' overlap with training documents
 BATCH_ROWS = 1024  # sequences per record batch of a mix file
 SEGMENT = pa.struct(
     [("doc_id", pa.string()), ("start", pa.int32()), ("doc_offset", pa.int32()), ("length", pa.int32())]
@@ -159,6 +161,7 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         store_dir=inputs["shards"].dir,
         tokenizer_dir=inputs["tokenizer"].dir,
         out=out,
+        leakage=s["leakage"],
     )
 
 
@@ -171,14 +174,16 @@ def run(
     store_dir: Path,
     tokenizer_dir: Path,
     out: Path,
+    leakage: bool = True,
 ) -> dict:
     """Write `train.arrow` (every phase's sequences in training order) and `heldout.arrow` (at the last
-    phase's context length); raise ConfigError when a phase needs more repetition than `max_epochs`."""
+    phase's context length) and, with `leakage`, `leakage.json` (`tokenize.heldout.leakage`); raise
+    ConfigError when a phase needs more repetition than `max_epochs`."""
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
     length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
-    train, heldout = split(_by_domain(index, phases), cfg.heldout_fraction)
+    train, heldout = heldout_split.split(_by_domain(index, phases), cfg.heldout)
     rng = np.random.default_rng(seed)
     domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
@@ -190,12 +195,11 @@ def run(
         phase_col += [ph.index] * len(segments)
         plan.append(_phase_record(ph, segments, targets, index, domains))
     last = phases[-1].seq_len
-    ho_segs, ho_domains = [], []
-    for domain, ids in sorted(heldout.items()):
-        s = pack([(d, length[d], True) for d in sorted(ids)], last)
-        ho_segs += s
-        ho_domains += [domain] * len(s)
+    ho_segs, ho_domains = _heldout_rows(heldout, length, last)
     _write_all(out, store_dir, eos, vocab, all_segments, phase_col, ho_segs, ho_domains)
+    leaks = heldout_split.leakage(store_dir, tok, train, heldout, cfg.heldout) if leakage else None
+    if leaks is not None:
+        (out / LEAKAGE).write_text(json.dumps(leaks, indent=1))
     per_domain = _per_domain(all_segments, index)
     return {
         "documents_in": len(index),
@@ -218,7 +222,18 @@ def run(
         "heldout_documents": {d: len(v) for d, v in sorted(heldout.items())},
         "heldout_sequences": {d: ho_domains.count(d) for d in sorted(heldout)},
         "heldout_doc_ids": {d: sorted(v) for d, v in sorted(heldout.items())},
+        **({"heldout_leakage": heldout_split.summary(leaks, cfg.heldout)} if leaks is not None else {}),
     }
+
+
+def _heldout_rows(heldout: dict[str, list[str]], length: dict[str, int], seq_len: int) -> tuple[list, list]:
+    """Each domain's held-out documents packed at `seq_len`, in id order: (segments, domain) per row."""
+    segs, domains = [], []
+    for domain, ids in sorted(heldout.items()):
+        s = pack([(d, length[d], True) for d in sorted(ids)], seq_len)
+        segs += s
+        domains += [domain] * len(s)
+    return segs, domains
 
 
 def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:

