@@ -81,12 +81,36 @@ def scores(ev: dict, train: dict, decon: dict) -> dict | None:
 
 
 def heldout(g: dict[str, dict]) -> dict:
-    """Held-out loss per domain, and the checkpoint and code that measured it."""
+    """Held-out loss per domain (the documents each loss covers, and how much of their n-grams training
+    documents hold), the held-out documents that leak above `mix.heldout.max_leak`, and the checkpoint and code
+    that measured it."""
     train, ev, mix = g["train"], g["evaluate"], g["mix"]["stats"]
+    leak = mix.get("heldout_leakage")  # absent from mixes made before it was measured
+    shares = leak["per_domain"] if leak else {}
     rows = [
-        [d, r["loss"], r["perplexity"], r["sequences"], r["tokens"], mix["heldout_documents"].get(d, 0), "yes"]
+        [d, r["loss"], r["perplexity"], r["sequences"], r["tokens"],
+         f"{r['documents']} of {r['heldout_documents']}" if "documents" in r
+         else f"? of {mix['heldout_documents'].get(d, 0)}",
+         _percent(shares[d]["share"]) if d in shares else "not measured", "yes"]
         for d, r in sorted(ev["stats"]["heldout"].items())
     ]
-    head = ["domain", "held-out loss", "perplexity", "sequences", "tokens", "documents", "decontaminated"]
-    return {"checkpoint": f"train-{train['artifact']['hash']}", "steps": train["stats"]["steps"],
-            "code": ev["code"]["source_hash"], "commit": ev["code"]["commit"], "table": table(head, rows)}
+    head = ["domain", "held-out loss", "perplexity", "sequences", "tokens", "documents in the loss (of held out)",
+            "n-grams also in training", "decontaminated"]
+    out = {"checkpoint": f"train-{train['artifact']['hash']}", "steps": train["stats"]["steps"],
+           "code": ev["code"]["source_hash"], "commit": ev["code"]["commit"], "table": table(head, rows),
+           "cap": ev["config"].get("max_sequences_per_domain"), "leakage": None}
+    if leak:
+        shown = leak["leaks"] or leak["largest"]
+        out["leakage"] = {
+            "ngram": leak["ngram"], "max_leak": _percent(leak["max_leak"]), "group_by": leak["group_by"],
+            "leaks": [r["doc_id"] for r in leak["leaks"]],
+            "table": table(["held-out document", "domain", "n-grams also in training", "training document sharing most",
+                            "n-grams shared with it"],
+                           [[f"`{r['doc_id']}`", r["domain"], _percent(r["share"]),
+                             f"`{r['top_training_doc']}`" if r["top_training_doc"] else "none", r["top_shared"]]
+                            for r in shown]) if shown else None}
+    return out
+
+
+def _percent(share: float) -> str:
+    return f"{100 * share:.1f}%"

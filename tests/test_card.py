@@ -253,3 +253,30 @@ def test_a_sharded_stage_shows_its_wall_time_and_its_parts_total(tmp_path):
     # started_at and finished_at are to the second
     assert rec["wall_seconds"] + 1 >= max(p["seconds"] for p in parts) and rec["wall_seconds"] + 1 >= rec["seconds"]
     assert seconds(rec).startswith(f"{rec['wall_seconds']} wall") and f"{rec['parts_seconds']} in parts" in seconds(rec)
+
+
+def test_the_held_out_section_names_the_documents_each_loss_covers_and_what_training_holds_of_them(pipeline):
+    s, r = pipeline
+    leak = {"doc_id": "lit/ab_folio", "domain": "lit", "ngrams": 400, "in_training": 120, "share": 0.3,
+            "top_training_doc": "lit/ab_modern", "top_shared": 118}
+    quiet = {"doc_id": "py/c", "domain": "py", "ngrams": 300, "in_training": 0, "share": 0.0,
+             "top_training_doc": None, "top_shared": 0}
+    mix = {"heldout_leakage": {
+        "ngram": 13, "max_leak": 0.02, "group_by": "^(lit/[a-z]+)_", "leaks": [leak], "largest": [leak, quiet],
+        "per_domain": {"lit": {"documents": 1, "ngrams": 400, "in_training": 120, "share": 0.3},
+                       "py": {"documents": 1, "ngrams": 300, "in_training": 0, "share": 0.0}}}}
+    ev = {"heldout": {d: {"loss": 4.1, "perplexity": 60.3, "sequences": 2, "tokens": 16, "documents": 1,
+                          "heldout_documents": 3} for d in ("lit", "py")}}
+    for rec, stats in ((r["mix"], mix), (r["evaluate"], ev)):
+        path = s.folder(rec) / "lineage.json"
+        record = json.loads(path.read_text())
+        record["stats"].update(stats)
+        path.write_text(json.dumps(record))
+    text = card.render_card(card.collect([s.folder(r["evaluate"])]))
+    assert "| lit | 4.1 | 60.3 | 2 | 16 | 1 of 3 | 30.0% | yes |" in text
+    assert "| py | 4.1 | 60.3 | 2 | 16 | 1 of 3 | 0.0% | yes |" in text
+    assert "held out by group, by a hash of the group's key (`mix.heldout.group_by`: `^(lit/[a-z]+)_`" in text
+    assert ("⚠ 1 held-out document(s) share more than 2.0% of their n-grams with training documents, so their "
+            "domain's held-out loss overstates generalisation: lit/ab_folio.") in text
+    assert "| `lit/ab_folio` | lit | 30.0% | `lit/ab_modern` | 118 |" in text
+    assert "`py/c`" not in text  # only the leaks, when there are any

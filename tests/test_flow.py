@@ -73,11 +73,16 @@ def test_card_reports_what_the_lineage_holds(cold):
         lineage["train"]["code"]["commit"],
     ):
         assert fact in text
+    leak = lineage["mix"]["stats"]["heldout_leakage"]
     for domain, r in lineage["evaluate"]["stats"]["heldout"].items():
+        assert r["heldout_documents"] == lineage["mix"]["stats"]["heldout_documents"][domain]
+        assert 1 <= r["documents"] <= r["heldout_documents"]
+        share = 100 * leak["per_domain"][domain]["share"]
         assert (
             f"| {domain} | {r['loss']} | {r['perplexity']} | {r['sequences']} | {r['tokens']} | "
-            f"{lineage['mix']['stats']['heldout_documents'][domain]} | yes |" in text
+            f"{r['documents']} of {r['heldout_documents']} | {share:.1f}% | yes |" in text
         )
+    assert f"every held-out document's {leak['ngram']}-grams (decontamination's matcher)" in text
     assert (
         f"Checkpoint: the final one of `train-{lineage['train']['artifact']['hash']}` (step {ts['steps']}); "
         f"evaluation code: `evaluate` code `{lineage['evaluate']['code']['source_hash']}`"

@@ -158,3 +158,21 @@ def test_evaluation_spreads_its_rows_across_held_out_documents_and_counts_them(v
     owner = [max(segs, key=lambda s: s["length"])["doc_id"] for segs in segments]  # most of the row
     assert len(picked) == 3 and len({owner[i] for i in picked}) == 3
     assert evaluate.spread(segments, 10_000).tolist() == list(range(len(segments)))
+
+
+def test_the_grouping_and_the_leak_threshold_are_in_the_mix_key_and_rungs_measure_no_leakage():
+    from moeflow.lineage import keys
+    from moeflow.tasks.registry import STAGES
+    from moeflow.tasks.runner import key_parts
+
+    cfg = configs.load("tiny")
+
+    def key(stage, **heldout_cfg):
+        c = cfg.model_copy(update={"mix": cfg.mix.model_copy(
+            update={"heldout": cfg.mix.heldout.model_copy(update=heldout_cfg)})})
+        return keys.digest(stage, key_parts(STAGES[stage], c, {"shards": "s", "tokenizer": "t"}))
+
+    base = key("mix")
+    assert len({base, key("mix", group_by=r"^(\w+)/"), key("mix", max_leak=0.1), key("mix", ngram=8)}) == 4
+    assert STAGES["mix"].config(cfg)["leakage"] and not STAGES["rung_mix"].config(cfg)["leakage"]
+    assert {"tokenizers", "xxhash"} <= set(STAGES["mix"].libraries)  # it decodes and hashes the documents
