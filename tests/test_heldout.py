@@ -109,7 +109,7 @@ def _other(doc_id: str) -> str:
     return doc_id[:4] + ("folio" if doc_id.endswith("modern") else "modern")
 
 
-def test_the_mix_measures_what_training_sees_of_each_held_out_document(versions, tmp_path, caplog):
+def test_the_mix_measures_what_training_sees_of_each_held_out_document(versions, tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="moeflow.tokenize.heldout"):
         stats = _mix(versions, tmp_path / "ids")
     leak, held = stats["heldout_leakage"], stats["heldout_doc_ids"]["a"]
@@ -125,6 +125,11 @@ def test_the_mix_measures_what_training_sees_of_each_held_out_document(versions,
     rows = json.loads((tmp_path / "ids" / mix.LEAKAGE).read_text())
     assert sorted(r["doc_id"] for r in rows) == sorted(held) and leak["per_domain"]["a"]["documents"] == len(held)
     assert all(r["share"] == 0 for r in rows if r["doc_id"] not in named)  # odd works are nowhere else
+    # a pass a document (memory bounded by a pass): the same findings, one pass over training each
+    monkeypatch.setattr(heldout, "PASS_TOKENS", 1)
+    train, held_ids = heldout.split({"a": [f"w{i:02d}/{v}" for i in range(WORKS) for v in ("modern", "folio")
+                                           if v == "modern" or i % 2 == 0]}, HeldoutConfig(fraction=0.3))
+    assert heldout.leakage(versions[1], tokenizer.load(versions[0]), train, held_ids, HeldoutConfig()) == rows
     # grouped by work: a held-out work's versions are both held out, and nothing leaks
     grouped = _mix(versions, tmp_path / "works", group_by=r"^(w\d+)/")
     held = grouped["heldout_doc_ids"]["a"]

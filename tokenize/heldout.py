@@ -14,14 +14,16 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import xxhash
 
 from moeflow.configs import HeldoutConfig
 from moeflow.tokenize.ngrams import ngram_hashes
-from moeflow.tokenize.store import iter_tokens
+from moeflow.tokenize.store import INDEX, iter_tokens
 
 log = logging.getLogger(__name__)
 TOP = 5  # held-out documents with the most overlap named in the stats (all of them in `leakage.json`)
+PASS_TOKENS = 20_000_000  # held-out tokens whose n-grams a pass holds (16 bytes an n-gram: about 320 MB)
 
 
 def _hash(key: str) -> int:
@@ -85,15 +87,33 @@ class _HeldoutNgrams:
 def leakage(store_dir: Path, tok, train: dict[str, list[str]], heldout: dict[str, list[str]],
             cfg: HeldoutConfig) -> list[dict]:
     """Per held-out document: its distinct word n-grams, how many of them are in some training document
-    (`share`), and the training document that holds the most of them; largest share first."""
+    (`share`), and the training document that holds the most of them; largest share first. The held-out
+    documents are taken in passes of at most `PASS_TOKENS` tokens (one over the training documents each), so
+    memory follows a pass, not the held-out set."""
     domain_of = {d: dom for dom, ids in heldout.items() for d in ids}
-    ids = sorted(domain_of)
-    held = _HeldoutNgrams(store_dir, tok, ids, cfg.ngram)
+    index = pq.read_table(Path(store_dir) / INDEX, columns=["doc_id", "tokens"]).to_pydict()
+    tokens = {d: n for d, n in zip(index["doc_id"], index["tokens"], strict=True) if d in domain_of}
+    trained = {d for v in train.values() for d in v}
+    rows, batch, size = [], [], 0
+    for doc_id in sorted(domain_of):
+        batch.append(doc_id)
+        size += tokens[doc_id]
+        if size >= PASS_TOKENS:
+            rows += _pass(store_dir, tok, trained, batch, cfg.ngram)
+            batch, size = [], 0
+    rows += _pass(store_dir, tok, trained, batch, cfg.ngram) if batch else []
+    for r in rows:
+        r["domain"] = domain_of[r["doc_id"]]
+    return sorted(rows, key=lambda r: (-r["share"], r["doc_id"]))
+
+
+def _pass(store_dir: Path, tok, trained: set[str], ids: list[str], n: int) -> list[dict]:
+    """`leakage` for the held-out documents `ids`: one pass over the training documents."""
+    held = _HeldoutNgrams(store_dir, tok, ids, n)
     best = np.zeros(len(ids), np.int64)
     best_doc: list[str | None] = [None] * len(ids)
-    trained = {d for v in train.values() for d in v}
     for doc_id, toks in iter_tokens(store_dir, trained):
-        pos = held.lookup(_ngrams(toks, tok, cfg.ngram))
+        pos = held.lookup(_ngrams(toks, tok, n))
         if not pos.size:
             continue
         held.found[pos] = True
@@ -102,10 +122,9 @@ def leakage(store_dir: Path, tok, train: dict[str, list[str]], heldout: dict[str
             if shared[i] > best[i] or doc_id < best_doc[i]:  # ties: the first id, whatever the store order
                 best[i], best_doc[i] = shared[i], doc_id
     seen = np.bincount(held.owners[held.found], minlength=len(ids))
-    rows = [{"doc_id": d, "domain": domain_of[d], "ngrams": int(held.sizes[i]), "in_training": int(seen[i]),
+    return [{"doc_id": d, "ngrams": int(held.sizes[i]), "in_training": int(seen[i]),
              "share": round(float(seen[i] / held.sizes[i]), 4) if held.sizes[i] else 0.0,
              "top_training_doc": best_doc[i], "top_shared": int(best[i])} for i, d in enumerate(ids)]
-    return sorted(rows, key=lambda r: (-r["share"], r["doc_id"]))
 
 
 def summary(rows: list[dict], cfg: HeldoutConfig) -> dict:
