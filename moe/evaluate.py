@@ -92,16 +92,17 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
 
 def spread(segments: list[list[dict]], cap: int) -> np.ndarray:
     """At most `cap` of a domain's held-out rows (given by their segments), taken across its documents: each
-    row belongs to the document with the most tokens in it, the documents take turns for the `cap` places,
-    and each document's rows are evenly spaced through it. Row order is kept."""
-    owner = [max(segs, key=lambda s: s["length"])["doc_id"] for segs in segments]
+    row belongs to the document with the most tokens in it (rows written without segments, to one unnamed
+    document), the documents take turns for the places, and each document's rows are evenly spaced through
+    it. Row order is kept."""
+    owner = [max(segs, key=lambda s: s["length"])["doc_id"] if segs else "" for segs in segments]
     rows_of: dict[str, list[int]] = {}
     for i, doc in enumerate(owner):
         rows_of.setdefault(doc, []).append(i)
     have = np.array([len(rows_of[d]) for d in sorted(rows_of)], np.int64)
-    take = np.zeros_like(have)
-    while take.sum() < min(cap, have.sum()):  # one more row for every document that has one left
-        more = np.flatnonzero(take < have)[: min(cap, int(have.sum())) - int(take.sum())]
+    take, want = np.zeros_like(have), min(cap, int(have.sum()))
+    while take.sum() < want:  # one more row for every document that has one left, while places are left
+        more = np.flatnonzero(take < have)[: want - int(take.sum())]
         take[more] += 1
     picked = [rows_of[d][j] for d, n, k in zip(sorted(rows_of), have, take, strict=True)
               for j in (np.arange(k) * n // max(k, 1)).tolist()]

@@ -163,6 +163,7 @@ def test_evaluation_spreads_its_rows_across_held_out_documents_and_counts_them(v
     owner = [max(segs, key=lambda s: s["length"])["doc_id"] for segs in segments]  # most of the row
     assert len(picked) == 3 and len({owner[i] for i in picked}) == 3
     assert evaluate.spread(segments, 10_000).tolist() == list(range(len(segments)))
+    assert evaluate.spread([[]] * 8, 4).tolist() == [0, 2, 4, 6]  # rows written without their segments
 
 
 def test_the_grouping_and_the_leak_threshold_are_in_the_mix_key_and_rungs_measure_no_leakage():
