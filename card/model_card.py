@@ -234,8 +234,9 @@ def _run_record(graph: dict[str, dict], g: dict[str, dict]) -> dict:
     ts = train["stats"]
     fields = [
         ["tokens/s (median step)", ts["tokens_per_s"]],
-        ["achieved TFLOP/s (median step)", ts.get("tflops", "-")],
-        ["MFU", ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
+        ["achieved TFLOP/s per device (median step)", ts.get("tflops", "-")],
+        ["MFU per device (last step)",
+         ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
         ["training seconds", ts.get("train_seconds", "-")],
     ]
     if (ts.get("distributed") or {}).get("expert_parallel"):
