@@ -52,18 +52,27 @@ def _run(args) -> int:
 
     flow = pretrain.with_options(on_running=[flow_run_id])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it (a background job)
+    interrupted = None
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url} if server else {}):
             try:
                 summary = flow(config=args.config, until=args.until, rerun=args.rerun or None)
             except KeyboardInterrupt:
-                return _interrupted("run", lambda: _cancel_here(runs, server), _kill_children)
+                interrupted = _interrupted("run", lambda: _cancel_here(runs, server), _kill_children)
     finally:
         if server:
             from prefect.logging.handlers import APILogWorker
 
             APILogWorker.drain_all(timeout=10)  # the run's last logs, sent before their server goes
             server.stop()
+    if interrupted is not None:
+        # The interrupted task runner's process pool was never shut down: interpreter exit would join its
+        # manager thread, which waits on pool processes the interrupt may have left mid-call (seen: a hang
+        # past 120 s). What this command started is done with; end it here.
+        _kill_children()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(interrupted)
     _print_summary(summary["stages"])
     print(summary["card"] or f"stopped after {args.until}")
     return 0
