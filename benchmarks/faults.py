@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import tempfile
-import time
+import timeit
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -28,13 +28,9 @@ from moeflow.core.documents import DOCS, DocWriter, iter_docs
 
 
 def _best(fn, repeats: int) -> float:
+    """The least disturbed of `repeats` timed calls, after one warm-up call."""
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def _noop(*_args) -> None:
