@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run ui test check lint browser chaos fuzz bench gpu-check
+.PHONY: setup run ui test check lint browser chaos big fuzz bench gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ browser:
 chaos: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py tests/test_objstore.py
+
+# memory: a 2 GB generated source through every data stage to `mix` in a 1.5 GiB memory cgroup
+big: setup
+	$(BIN)/moeflow fetch smoke
+	$(BIN)/python -m pytest -m big -v tests/test_faults.py
 
 # the ingest fuzz suite with a longer, random budget (`make test` runs 25 derandomised cases a property);
 # a random hypothesis seed, printed before and (on failure) after: MOEFLOW_FUZZ_SEED=N replays a run

@@ -2,7 +2,7 @@
 the uninterrupted run's artifacts; two cold runs give identical data, token and model artifacts.
 
 Runs are real `moeflow run` processes against the session's Prefect server. The kill tests are marked
-`chaos` (slow): `make chaos` runs them, `make test` leaves them out.
+`chaos` (slow): `make chaos` runs them, `make test` leaves them out; the 2 GB source test is `big` (`make big`).
 """
 
 import json
@@ -338,7 +338,7 @@ class _MemoryCap:
         self.path.rmdir()
 
 
-@pytest.mark.chaos
+@pytest.mark.big
 def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_server, smoke_data, tmp_path):
     """2 GB of JSONL (100,000 distinct ~2 KB documents and their copies) through every data stage to `mix`,
     sharded in four, with the run's whole process tree capped at 1.5 GiB of memory (a cgroup; where none
