@@ -21,8 +21,10 @@ from pathlib import Path
 from moeflow.cli.stack import LocalStack, StackError, descendants
 from moeflow.core.paths import PACKAGE_ROOT
 
+# `tasks.registry.STAGES` in order, spelled out: importing the registry takes a second (every stage's package),
+# too long for `--help` (tests/test_layout.py keeps the two equal)
 STAGE_HELP = (
-    "sources, ingest, filter, dedup, benchmarks, decontaminate, tokenizer, tokenize, overlap, mix, "
+    "sources, ingest, filter, dedup, benchmarks, decontaminate, overlap, tokenizer, tokenize, mix, "
     "rung_mix, rung, ladder, train, evaluate, card"
 )
 

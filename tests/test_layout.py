@@ -69,6 +69,13 @@ def test_cli_help_lists_every_command():
         assert text and text == parser_help[name], (name, text)
 
 
+def test_cli_stage_help_names_every_stage_in_dag_order():
+    from moeflow.cli.main import STAGE_HELP
+    from moeflow.tasks.registry import STAGES
+
+    assert STAGE_HELP.split(", ") == list(STAGES)
+
+
 def _imports(tmp_path) -> dict[str, set[str]]:
     """Module -> the moeflow modules it imports (inside functions too), from grimp, the graph import-linter
     checks. `moeflow.tokenize` is a namespace folder, so it is a root of its own, and grimp names its modules
