@@ -41,11 +41,25 @@ def package_dir(name: str) -> Path:
     return cache_dir() / "packages" / name
 
 
+class CorruptReceipt(FetchError):
+    """A package's receipt.json cannot be read (cut short, edited): nothing in its folder can be trusted."""
+
+
 def read_receipt(name: str) -> dict | None:
+    """The package's receipt; None when it was never fetched; CorruptReceipt when the file is unreadable."""
     path = package_dir(name) / "receipt.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        receipt = json.loads(path.read_text())
+        complete = isinstance(receipt, dict) and {"version", "sha256", "archive"} <= receipt.keys()
+        why = "" if complete else "fields missing"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = str(e)
+    if why:
+        raise CorruptReceipt(f"package {name}: its receipt {path} cannot be read ({why}); run `moeflow fetch "
+                             f"--package {name}` to fetch it again")
+    return receipt
 
 
 def tree(name: str) -> Path:
@@ -114,7 +128,11 @@ def fetch(name: str, *, verify: bool = True) -> dict:
     """
     pkg = get(name)
     root = package_dir(name)
-    receipt = read_receipt(name)
+    try:
+        receipt = read_receipt(name)
+    except CorruptReceipt as e:
+        log.warning("%s: fetching it again", e)
+        receipt = None
     if receipt is not None and _present(name, root, receipt, verify):
         return {**receipt, "status": "present"}
     root.mkdir(parents=True, exist_ok=True)

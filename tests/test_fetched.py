@@ -60,3 +60,17 @@ def test_files_changed_after_the_fetch_fail_the_key_naming_the_package_and_the_f
     st = victim.stat()
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert fetch.tree_identity(PACKAGE) == receipt["tree"]["xxh3"]
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"[]", lambda b: b"\xff\xfe"])
+def test_a_damaged_receipt_names_itself_and_the_fix_and_fetch_fetches_again(cache, damage):
+    receipt = cache / "packages" / PACKAGE / "receipt.json"
+    good = fetch.read_receipt(PACKAGE)
+    receipt.write_bytes(damage(receipt.read_bytes()))
+    fix = rf"package {PACKAGE}: its receipt {receipt} .*--package {PACKAGE}"
+    for read in (fetch.tree_identity, fetch.tree, fetch.archive):
+        with pytest.raises(fetch.CorruptReceipt, match=fix):
+            read(PACKAGE)
+    again = fetch.fetch(PACKAGE)  # a real download from PyPI: the pinned file, checked against its sha256
+    assert again["status"] == "fetched" and again["sha256"] == good["sha256"]
+    assert fetch.read_receipt(PACKAGE)["tree"]["xxh3"] == good["tree"]["xxh3"]
