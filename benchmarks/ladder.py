@@ -1,0 +1,93 @@
+"""The scaling ladder's prediction against the loss the target run reaches: tiny at several seeds, and smoke.
+
+Run: `python benchmarks/ladder.py [--seeds 1234 1 2] [--presets tiny smoke] [--store DIR]`.
+
+Each (preset, seed) is one `moeflow run CONFIG --until train` of the preset with `seed` replaced (smoke gets
+the ladder of `SMOKE_LADDER`: the preset has none), against the store of `--store` (default: the usual one,
+so the data stages, keyed without the run's seed, are reused across seeds; the mix, rungs, ladder and
+target are the seed's own). From the run's record it reads the ladder's pre-registered `prediction.json` and
+the train stage's `tail_loss` (the card's "actual": the mean training cross-entropy of the last tenth of the
+steps). Per run: predicted, band, actual, relative error (actual - predicted) / actual, inside the band,
+the ladder's FLOPs as a share of the target's. The last line is one JSON object with `runs` and the
+headline keys `max_abs_error` (the largest |relative error|), `all_inside_band` and `flops_share` (the
+largest). What it does not show: any corpus but the presets' own (issue 35 checks others too), or the
+ladder's wall time (the rungs' FLOPs are what the budget counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from moeflow import configs
+
+SMOKE_LADDER = {"widths": [16, 32, 48], "budget_fraction": 0.25, "min_steps": 5}
+
+
+def run_once(preset: str, seed: int, store: str | None, work: Path) -> dict:
+    data = yaml.safe_load(configs.resolve(preset).read_text())
+    data["seed"] = seed
+    if preset == "smoke" and not data.get("ladder"):
+        data["ladder"] = SMOKE_LADDER
+    if store:
+        data["store"] = store
+    path = work / f"{preset}-{seed}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    cmd = [sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run", str(path),
+           "--until", "train"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{preset} seed {seed}: moeflow run failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                         f"{done.stderr[-3000:]}")
+    root = Path(configs.load(path).store_url())
+    record = max((root / "runs").glob("*.json"), key=os.path.getmtime)
+    stages = json.loads(record.read_text())["stages"]
+    pred = json.loads((root / "ladder" / f"ladder-{stages['ladder']['hash']}" / "prediction.json").read_text())
+    stats = json.loads((root / "train" / f"train-{stages['train']['hash']}" / "lineage.json").read_text())["stats"]
+    actual, predicted, (lo, hi) = stats["tail_loss"], pred["predicted_final_loss"], pred["band"]
+    return {
+        "preset": preset,
+        "seed": seed,
+        "predicted": predicted,
+        "band": [lo, hi],
+        "actual": actual,
+        "relative_error": round((actual - predicted) / actual, 4),
+        "inside_band": lo <= actual <= hi,
+        "flops_share": round(pred["ladder_fraction"], 4),
+        "rungs": [[r["d_model"], r["n_layers"], r["steps"], r["final_loss"]] for r in pred["rungs"]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2], help="tiny's seeds")
+    p.add_argument("--presets", nargs="+", default=["tiny", "smoke"], help="smoke runs at its own seed only")
+    p.add_argument("--store", default=None, help="artifact store (default: the config's own)")
+    args = p.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory() as work:
+        for preset in args.presets:
+            for seed in args.seeds if preset == "tiny" else [configs.load(preset).seed]:
+                r = run_once(preset, seed, args.store, Path(work))
+                print(f"{preset} seed {seed}: predicted {r['predicted']} (band {r['band'][0]} to {r['band'][1]}), "
+                      f"actual {r['actual']}, error {r['relative_error']:+.2%}, "
+                      f"{'inside' if r['inside_band'] else 'outside'} the band, ladder {r['flops_share']:.1%} "
+                      "of the target's FLOPs", flush=True)
+                runs.append(r)
+    print(json.dumps({
+        "runs": runs,
+        "max_abs_error": max(abs(r["relative_error"]) for r in runs),
+        "all_inside_band": all(r["inside_band"] for r in runs),
+        "flops_share": max(r["flops_share"] for r in runs),
+    }))
+
+
+if __name__ == "__main__":
+    main()
