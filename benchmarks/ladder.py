@@ -10,8 +10,9 @@ the train stage's `tail_loss` (the card's "actual": the mean training cross-entr
 steps). Per run: predicted, band, actual, relative error (actual - predicted) / actual, inside the band,
 the ladder's FLOPs as a share of the target's. The last line is one JSON object with `runs` and the
 headline keys `max_abs_error` (the largest |relative error|), `all_inside_band` and `flops_share` (the
-largest). What it does not show: any corpus but the presets' own (issue 35 checks others too), or the
-ladder's wall time (the rungs' FLOPs are what the budget counts).
+largest), and `tiny_seed_spread`: (max - min) / mean of the tiny seeds' actual losses, how far the target's
+own loss moves with the seed alone. What it does not show: any corpus but the presets' own (issue 35 checks
+others too), or the ladder's wall time (the rungs' FLOPs are what the budget counts).
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ def main() -> None:
                       f"{'inside' if r['inside_band'] else 'outside'} the band, ladder {r['flops_share']:.1%} "
                       "of the target's FLOPs", flush=True)
                 runs.append(r)
+    tiny = [r["actual"] for r in runs if r["preset"] == "tiny"]
     print(json.dumps({
         "runs": runs,
         "max_abs_error": max(abs(r["relative_error"]) for r in runs),
         "all_inside_band": all(r["inside_band"] for r in runs),
         "flops_share": max(r["flops_share"] for r in runs),
+        # how far the target's own loss moves with the seed: (max - min) / mean of tiny's actuals
+        "tiny_seed_spread": round((max(tiny) - min(tiny)) / (sum(tiny) / len(tiny)), 4) if len(tiny) > 1 else None,
     }))
 
 
