@@ -36,8 +36,9 @@ check: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m check
 
-# ruff, then the layers contract (pyproject.toml). import-linter reads the package from a folder holding a link
-# `moeflow` to this checkout: tokenize/ is a namespace folder, which an editable install's finder does not list
+# ruff, then the contracts (pyproject.toml). A bare `lint-imports` in the checkout keeps both too, but grimp then
+# misnames the namespace folder tokenize/, so cycles among its modules go unseen; read through a folder holding
+# a link `moeflow` to this checkout, the graph names it moeflow.tokenize and the cycle contract covers it
 lint: setup
 	$(BIN)/ruff check .
 	@mkdir -p $(VENV)/lint && ln -sfn $(CURDIR) $(VENV)/lint/moeflow

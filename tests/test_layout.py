@@ -30,6 +30,18 @@ def test_tokenize_folder_has_no_init():
     assert not (ROOT / "tokenize" / "__init__.py").exists()
 
 
+def test_the_layers_contract_names_every_tokenize_module():
+    """The contract lists tokenize/'s modules one by one (pyproject.toml says why): a module added there must
+    be added to its layer, or the contract would not check it."""
+    import tomllib
+
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    listed = next(layer for layer in layers if "moeflow.tokenize." in layer)
+    on_disk = {f"moeflow.tokenize.{p.stem}" for p in (ROOT / "tokenize").glob("*.py")}
+    assert {m.strip() for m in listed.split(":")} == on_disk
+    assert not [p for p in (ROOT / "tokenize").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
 def _help_commands(text: str) -> dict[str, str]:
     """The subcommands `moeflow --help` lists under COMMAND, each with its help line.
 
