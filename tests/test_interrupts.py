@@ -122,20 +122,11 @@ class _Command:
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stacks = subprocess.run([sys.executable, "-m", "py_spy", "dump", "--pid", str(self.proc.pid)],
-                                    capture_output=True, text=True).stdout if _has_py_spy() else ""
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.reader.join(10)
-            pytest.fail(f"the command did not exit within {timeout} s; its output:\n{''.join(self.lines)[-6000:]}"
-                        f"\n{stacks}")
+            pytest.fail(f"the command did not exit within {timeout} s; its output:\n{''.join(self.lines)[-6000:]}")
         self.reader.join(10)
         return rc, "".join(self.lines)
-
-
-def _has_py_spy() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("py_spy") is not None
 
 
 def _await(what, timeout: float, why: str, command: _Command):
