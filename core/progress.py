@@ -4,7 +4,9 @@ updated in place (the live training table is a markdown one).
 Each artifact belongs to the task run doing the work (and so shows on its flow run's page), found from
 Prefect's run context or, in a process Prefect did not start (a torchrun rank), from the environment that
 `child_env` passes on. Outside a Prefect run, or when the API cannot be reached, nothing is sent and the
-work goes on: the UI is a view, never a reason for a stage to fail.
+work goes on: the UI is a view, never a reason for a stage to fail. Prefect is imported only where a
+process already runs it or reports to a run: training outside a flow (`make gpu-check`, the benchmarks) needs no
+orchestrator installed.
 """
 
 from __future__ import annotations
@@ -12,12 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
-from prefect.context import FlowRunContext, TaskRunContext
-from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
 from tqdm import tqdm as _tqdm
 
 log = logging.getLogger(__name__)
@@ -27,6 +26,10 @@ ENV_NAME = "MOEFLOW_PREFECT_TASK_NAME"
 
 def _context() -> tuple[str | None, str | None, str | None]:
     """(task run id, flow run id, task run name) of the run doing this work, or Nones."""
+    if "prefect.context" not in sys.modules:  # Prefect never ran here: no run context, only the environment's
+        return os.environ.get(ENV_TASK), os.environ.get(ENV_FLOW), os.environ.get(ENV_NAME)
+    from prefect.context import FlowRunContext, TaskRunContext
+
     task_ctx, flow_ctx = TaskRunContext.get(), FlowRunContext.get()
     if task_ctx is not None:
         return str(task_ctx.task_run.id), str(task_ctx.task_run.flow_run_id), task_ctx.task_run.name
@@ -43,9 +46,12 @@ def task_name(default: str) -> str:
 def child_env() -> dict[str, str]:
     """Environment entries that let a child process (a torchrun rank) report to this task run."""
     task_id, flow_id, name = _context()
-    # the API this process talks to, which may come from a settings context rather than the environment
-    env = {ENV_TASK: task_id, ENV_FLOW: flow_id, ENV_NAME: name, "PREFECT_API_URL": PREFECT_API_URL.value(),
-           "PREFECT_API_KEY": PREFECT_API_KEY.value()}
+    api = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_API_KEY")}
+    if "prefect.settings" in sys.modules:  # the API this process talks to, maybe from a settings context
+        from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
+
+        api = {"PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_API_KEY": PREFECT_API_KEY.value()}
+    env = {ENV_TASK: task_id, ENV_FLOW: flow_id, ENV_NAME: name, **api}
     # a rank has no run context for Prefect's log handler: its warnings go to its output, read by the parent
     return {k: v for k, v in env.items() if v} | {"PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"}
 
@@ -79,6 +85,9 @@ class Artifact:
                         self.key, e)
 
     def _send(self, data, description: str) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
         if self.client is None:
             self.client = get_client(sync_client=True)
         if self.id is None:

@@ -83,3 +83,15 @@ def test_gpu_check_runs_its_own_code_on_the_cpu_at_toy_sizes():
     assert out["moe_scaling"]["device"] == "cpu" and out["moe_scaling"]["t1024_e64_vs_e8"] > 0
     # both report the dtype the experts' matmuls ran in: bf16, as training under `precision: bf16` runs them
     assert out["throughput"]["expert_matmul_dtype"] == out["moe_scaling"]["expert_matmul_dtype"] == "bfloat16"
+
+
+def test_training_outside_a_flow_needs_no_orchestrator():
+    """`make gpu-check` trains on a machine without Prefect: the training path must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, moeflow.moe.gpu_check, moeflow.moe.train\n"
+            "print(sorted(m for m in sys.modules if 'prefect' in m))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
