@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup run ui test check lint browser chaos big fuzz bench gpu-check
+.PHONY: setup run ui test check lint browser chaos big fuzz bench gpu-bundle gpu-check
 
 $(BIN)/moeflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,20 @@ fuzz: setup
 bench: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-# the prepared GPU verification (moe/gpu_check.py): one JSON line last; without CUDA it says so and exits 0
-gpu-check: setup
-	$(BIN)/python -m moeflow.moe.gpu_check
+# the GPU machine reaches no registry: `make gpu-bundle` (here, with the registries) fetches into .gpu-bundle/ the
+# wheels for its Python that `make gpu-check` installs there, and the sources it builds (moe/gpu_bundle.py)
+GPU_BUNDLE ?= .gpu-bundle
+GPU_PYTHON ?= 3.12
+gpu-bundle: setup
+	$(BIN)/python -m moeflow.moe.gpu_bundle --out $(GPU_BUNDLE) --python $(GPU_PYTHON)
+
+# the prepared GPU verification (moe/gpu_check.py), offline, in time-boxed tiers: one JSON line each, a summary
+# last; without CUDA it says so. On the GPU machine: `make gpu-check` with .gpu-bundle/ carried. To rehearse it
+# on the CPU: `make gpu-check GPU_ARGS="--device cpu --small"`. It runs no `make setup` (no registry there)
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_SITE ?= /tmp/moeflow-gpu/site
+GPU_ARGS ?=
+gpu-check:
+	@mkdir -p /tmp/moeflow-gpu && ln -sfn $(CURDIR) /tmp/moeflow-gpu/moeflow
+	PYTHONPATH=/tmp/moeflow-gpu$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m moeflow.moe.gpu_check \
+		--bundle $(GPU_BUNDLE) --site $(GPU_SITE) $(GPU_ARGS)

@@ -1,16 +1,29 @@
-"""The parts of `make gpu-check` (moe/gpu_check.py) that train and time models: each a function returning
-its figures as a dict.
+"""The tiers of `make gpu-check` (moe/gpu_check.py), each run as its own process: `python -m
+moeflow.moe.gpu_tiers TIER --device D [--small]` prints that tier's figures as one JSON line.
+
+cuda: what torch sees. bf16: the torch backend trained 20 steps in bf16 against the CPU's fp32 curve.
+throughput: a model that fills the GPU (d_model 2048, 12 layers, 32 experts) and the expert-count scaling
+benchmark. megablocks: MegaBlocks and grouped_gemm built from the bundle's sources, parity with the torch
+backend and both layers' speed. nccl: a two-rank all-reduce (gloo on the CPU), or why it cannot run.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
+import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 from moeflow.configs import ModelConfig, TrainConfig
@@ -47,7 +60,8 @@ def bf16_against_cpu(data: Path, tmp: Path, dev: str) -> dict:
             "final": [round(cpu[-1], 4), round(gpu[-1], 4)]}
 
 
-def megablocks_against_torch(dev: torch.device) -> dict:
+def megablocks_against_torch(dev: torch.device, small: bool) -> dict:
+    """The same weights in both backends: their outputs in bf16, then each layer's forward+backward speed."""
     cfg = ModelConfig(d_model=256, num_experts=8, top_k=2, expert_hidden=512)
     ref = build_moe(cfg).to(dev)
     mb = build_moe(cfg.model_copy(update={"backend": "megablocks"})).to(dev)
@@ -56,12 +70,33 @@ def megablocks_against_torch(dev: torch.device) -> dict:
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         a, b = ref(x)[0].float(), mb(x)[0].float()
     diff = float((a - b).abs().max())
-    return {"max_abs_output_diff": round(diff, 5), "tolerance": 0.05, "ok": diff <= 0.05}
+    big = cfg if small else ModelConfig(d_model=2048, num_experts=32, top_k=2, expert_hidden=1024)
+    speed = {name: _layer_speed(big.model_copy(update={"backend": name}), dev, 1024 if small else 16384)
+             for name in ("torch", "megablocks")}
+    return {"max_abs_output_diff": round(diff, 5), "tolerance": 0.05, "ok": diff <= 0.05,
+            "tokens_per_s": speed, "megablocks_vs_torch": round(speed["megablocks"] / speed["torch"], 3)}
 
 
-def throughput(data_dir: Path, dev: str, small: bool) -> dict:
-    """A model that fills the GPU (at --small, a toy), 200 steps of bf16: tokens/s and MFU."""
-    sizes = (64, 2, 8, 64, 8, 10) if small else (2048, 12, 32, 2048, 16, 200)
+def _layer_speed(cfg: ModelConfig, dev: torch.device, tokens: int, repeats: int = 5) -> float:
+    """Tokens/s of one MoE layer's forward and backward in bf16: the best of `repeats` after two warm-ups."""
+    layer = build_moe(cfg).to(dev)
+    x = torch.randn(tokens, cfg.d_model, device=dev, requires_grad=True)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = layer(x)[0]
+        y.float().square().mean().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return round(tokens / min(times), 1)
+
+
+def train_throughput(data_dir: Path, dev: str, small: bool) -> dict:
+    """A model that fills the GPU (at --small, a toy), 40 steps of bf16: tokens/s and MFU."""
+    sizes = (64, 2, 8, 64, 8, 10) if small else (2048, 12, 32, 2048, 8, 40)
     width, layers, experts, seq, batch, steps = sizes
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(["abc def ghi " * 50], vocab_size=300, special_tokens=["<|endoftext|>"],
@@ -97,3 +132,101 @@ def scaling_benchmark(dev: str, small: bool) -> dict:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-1500:])
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def tier_cuda(dev: str, small: bool, tmp: Path) -> dict:
+    """What torch sees: CUDA, the device and its count, torch's and CUDA's versions."""
+    seen = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "cuda_version": torch.version.cuda,
+            "device_count": torch.cuda.device_count()}
+    if dev == "cuda" and not seen["cuda"]:
+        return {**seen, "ok": False, "error": "torch sees no CUDA device on this machine"}
+    where = devices.resolve(dev)
+    if where.type == "cuda":
+        seen["capability"] = ".".join(map(str, torch.cuda.get_device_capability(where)))
+    return {**seen, "ok": True, "device": devices.describe(where)}
+
+
+def tier_bf16(dev: str, small: bool, tmp: Path) -> dict:
+    return bf16_against_cpu(_data(tmp / "data"), tmp, dev)
+
+
+def tier_throughput(dev: str, small: bool, tmp: Path) -> dict:
+    (tmp / "big").mkdir()
+    trained = train_throughput(tmp / "big", dev, small)
+    scaling = scaling_benchmark(dev, small)
+    return {"ok": trained["tokens_per_s"] > 0, "train": trained, "moe_scaling": scaling}
+
+
+def tier_megablocks(dev: str, small: bool, tmp: Path) -> dict:
+    """Build MegaBlocks, stk and grouped_gemm from the bundle's sources into the check's site folder (on the
+    CPU only the two that build there), then on CUDA compare MegaBlocks' dMoE with the torch backend."""
+    where = devices.resolve(dev)
+    names = ["stanford_stk", "megablocks"] + (["grouped_gemm"] if where.type == "cuda" else [])
+    built = {name: _build(name, where) for name in names}
+    out = {"built": built, "ok": all(b["ok"] for b in built.values())}
+    if where.type != "cuda":
+        return {**out, "kernels": "not run: MegaBlocks' kernels and grouped_gemm need CUDA"}
+    if not out["ok"]:
+        return out
+    importlib.invalidate_caches()
+    compared = megablocks_against_torch(where, small)
+    return {**out, **compared, "ok": compared["ok"]}
+
+
+def _build(name: str, where: torch.device) -> dict:
+    """`pip install` one source archive from the bundle, offline, against the torch already here."""
+    bundle, site = Path(os.environ["MOEFLOW_GPU_BUNDLE"]), os.environ["MOEFLOW_GPU_SITE"]
+    archives = sorted((bundle / "src").glob(f"{name}-*.tar.gz"))
+    if not archives:
+        return {"ok": False, "error": f"no {name} source in {bundle / 'src'}: rerun `make gpu-bundle`"}
+    env = dict(os.environ, MAX_JOBS=str(os.cpu_count() or 4))
+    if where.type == "cuda":  # compile for this GPU only
+        env["TORCH_CUDA_ARCH_LIST"] = ".".join(map(str, torch.cuda.get_device_capability(where)))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+           "--upgrade", "--target", site, str(archives[-1])]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return {"ok": proc.returncode == 0, "seconds": round(time.perf_counter() - t0, 1),
+            **({"error": proc.stderr[-1500:]} if proc.returncode else {})}
+
+
+def tier_nccl(dev: str, small: bool, tmp: Path) -> dict:
+    """A two-rank all-reduce: NCCL across two GPUs, gloo on the CPU; one GPU cannot hold two NCCL ranks."""
+    backend = "nccl" if dev == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        return {"ok": None, "ran": False, "backend": "nccl",
+                "reason": f"two-rank NCCL needs two GPUs; this machine has {torch.cuda.device_count()}"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch_mp.spawn(_all_reduce, args=(backend, port, str(tmp)), nprocs=2, join=True)
+    sums = sorted(float((tmp / f"rank{r}").read_text()) for r in range(2))
+    return {"ok": sums == [3.0, 3.0], "ran": True, "backend": backend, "sums": sums}
+
+
+def _all_reduce(rank: int, backend: str, port: int, tmp: str) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    where = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    x = torch.tensor([rank + 1.0], device=where)
+    dist.all_reduce(x)
+    Path(tmp, f"rank{rank}").write_text(str(float(x.item())))
+    dist.destroy_process_group()
+
+
+TIERS = {"cuda": tier_cuda, "bf16": tier_bf16, "throughput": tier_throughput, "megablocks": tier_megablocks,
+         "nccl": tier_nccl}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tier", choices=list(TIERS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--small", action="store_true", help="toy sizes")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(TIERS[args.tier](args.device, args.small, Path(tmp))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,8 +63,8 @@ def _gpu_check(*args: str) -> dict:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "moeflow.moe.gpu_check", *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "moeflow.moe.gpu_check", "--bundle", "/nonexistent", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -72,17 +72,24 @@ def _gpu_check(*args: str) -> dict:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
 def test_gpu_check_says_plainly_that_there_is_no_gpu():
     out = _gpu_check()
-    assert out["ran"] is False and out["cuda"] is False and "no CUDA device" in out["reason"]
+    assert out["ran"] is False and "no CUDA device" in out["reason"]
+    assert out["tiers"]["cuda"]["cuda"] is False and list(out["tiers"]) == ["cuda"]
 
 
 def test_gpu_check_runs_its_own_code_on_the_cpu_at_toy_sizes():
     out = _gpu_check("--device", "cpu", "--small")
-    assert out["ran"] and out["device"]["type"] == "cpu"
-    assert out["bf16_vs_cpu_fp32"]["ok"], out["bf16_vs_cpu_fp32"]
-    assert out["throughput"]["tokens_per_s"] > 0 and out["throughput"]["mfu"] is None
-    assert out["moe_scaling"]["device"] == "cpu" and out["moe_scaling"]["t1024_e64_vs_e8"] > 0
+    tiers = out["tiers"]
+    assert out["ran"] and tiers["cuda"]["device"]["type"] == "cpu"
+    assert tiers["bf16"]["ok"], tiers["bf16"]
+    trained, scaling = tiers["throughput"]["train"], tiers["throughput"]["moe_scaling"]
+    assert trained["tokens_per_s"] > 0 and trained["mfu"] is None
+    assert scaling["device"] == "cpu" and scaling["t1024_e64_vs_e8"] > 0
     # both report the dtype the experts' matmuls ran in: bf16, as training under `precision: bf16` runs them
-    assert out["throughput"]["expert_matmul_dtype"] == out["moe_scaling"]["expert_matmul_dtype"] == "bfloat16"
+    assert trained["expert_matmul_dtype"] == scaling["expert_matmul_dtype"] == "bfloat16"
+    assert tiers["nccl"] == {**tiers["nccl"], "ok": True, "backend": "gloo", "sums": [3.0, 3.0]}
+    # no bundle here: the summary says so, and the megablocks tier, which builds from it, fails naming it
+    assert "make gpu-bundle" in out["bundle"]["error"] and "make gpu-bundle" in str(tiers["megablocks"])
+    assert out["ok"] is False
 
 
 def test_training_outside_a_flow_needs_no_orchestrator():
