@@ -23,7 +23,7 @@ from pathlib import Path
 import moeflow
 
 # seconds each tier may take on the GPU; together within the 8 minutes a check may use of the machine
-BOXES = {"cuda": 60, "bf16": 75, "throughput": 120, "megablocks": 180, "nccl": 30}
+BOXES = {"cuda": 30, "bf16": 75, "throughput": 150, "megablocks": 180, "nccl": 30}
 WHOLE = 470
 
 
