@@ -19,7 +19,7 @@ import re
 import zipfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from moeflow.core import progress
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
-from moeflow.dedup import edited, formats
+from moeflow.dedup import edited, formats, review
 from moeflow.dedup.lookup import SortedHashes
 from moeflow.sources import fetch
 from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, windows, word_hashes, words
@@ -262,6 +262,8 @@ class Flag:
     strength: float
     runs: list[tuple[int, int]]
     counts: dict  # {"matched_ngrams": distinct n-grams} or {"matched_words": aligned words}
+    item_text: str = ""  # the item as indexed, and the word ranges of it matched (for review)
+    item_runs: list[tuple[int, int]] = field(default_factory=list)
 
     def cut_ranges(self) -> list[tuple[int, int]]:
         """What cut mode removes: each matched n-gram; for an edited item, from its first matched word to its
@@ -273,6 +275,8 @@ class Flag:
         found = {**self.item, "tier": self.tier, "strength": self.strength, **self.counts}
         if spans is not None:
             found["spans"] = char_spans(spans, self.runs)
+        if self.item_runs:
+            found["item_spans"] = char_spans(word_spans(self.item_text), self.item_runs)
         return found
 
 
@@ -315,10 +319,19 @@ class Index:
         if matched >= cfg.min_matches:
             runs = merge_ranges([(s, s + cfg.ngram) for s in starts.tolist()])
             flags.append(Flag("ngram", self.items[row], self._strength(row, runs), runs,
-                              {"matched_ngrams": matched}))
+                              {"matched_ngrams": matched}, *self._item_side(row, windows(wh, cfg.ngram)[starts],
+                                                                            cfg.ngram)))
         if cfg.edited and self.edited is not None:
             flags += self._second(wh, cfg, {row} if flags else set(), [r for f in flags for r in f.runs])
         return flags
+
+    def _item_side(self, row: int, matched: np.ndarray, n: int) -> tuple[str, list[tuple[int, int]]]:
+        """The item's text and the word ranges of its n-grams among the document's `matched` ones."""
+        if self.edited is None:
+            return "", []
+        text = self.edited.texts[row]
+        at = np.flatnonzero(np.isin(windows(self.edited.item_hashes(row), n), matched))
+        return text, merge_ranges([(a, a + n) for a in at.tolist()])
 
     def _strength(self, row: int, runs: list[tuple[int, int]]) -> float:
         if self.edited is None:
@@ -335,7 +348,7 @@ class Index:
                 seen.add(row)
                 taken += [(found.runs[0][0], found.runs[-1][1])]
                 flags.append(Flag("edited", self.items[row], found.strength, found.runs,
-                                  {"matched_words": found.matched}))
+                                  {"matched_words": found.matched}, self.edited.texts[row], found.item_runs))
         return sorted(flags, key=lambda f: -f.strength)
 
 
@@ -395,19 +408,24 @@ def merge(cfg: DecontamConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join the shards in order; the per-benchmark counts summed."""
     stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["shard"]]
     per_bench: dict[str, dict] = {}
+    rows: dict[str, list] = {}
     for s in stats:
         for bench, counts in s["per_benchmark"].items():
             total = per_bench.setdefault(bench, dict.fromkeys(counts, 0))
             for k, v in counts.items():
                 total[k] += v
-    return {**join(prior["shard"], out, "decontaminate"), **_summary(cfg, per_bench), "shards": len(stats)}
+        for bench, kept in s["review"].items():
+            rows.setdefault(bench, []).extend(kept)
+    return {**join(prior["shard"], out, "decontaminate"), **_summary(cfg, per_bench, rows), "shards": len(stats)}
 
 
-def _summary(cfg: DecontamConfig, per_bench: dict[str, dict]) -> dict:
+def _summary(cfg: DecontamConfig, per_bench: dict[str, dict], rows: dict[str, list]) -> dict:
+    """The stats of a run or of joined shards; `review` holds each benchmark's weakest flags, both sides."""
     tiers = {t: sum(v[f"flagged_{t}"] for v in per_bench.values()) for t in TIERS}
     return {"ngram": cfg.ngram, "action": cfg.action, "edited": cfg.edited, "flagged_by_tier": tiers,
             "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
-            "per_benchmark": dict(sorted(per_bench.items()))}
+            "per_benchmark": dict(sorted(per_bench.items())),
+            "review": {b: review.weakest(r) for b, r in sorted(rows.items())}}
 
 
 TIERS = ("ngram", "edited")
@@ -418,6 +436,7 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
     index = Index(index_dir)
     ledger = Ledger("decontaminate", out)
     per_bench: dict[str, dict] = {}
+    rows: dict[str, list] = {}
     n_in = 0
     with DocWriter(out) as writer:
         for row in tqdm(iter_docs(docs_dir, shard=part), total=count_docs(docs_dir, part),
@@ -425,13 +444,15 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
             n_in += 1
             flags = index.find(row["text"], cfg)
             if flags:
-                _flagged(cfg, row, flags, writer, ledger, per_bench)
+                found = _flagged(cfg, row, flags, writer, ledger, per_bench)
+                rows.setdefault(found["benchmark"], []).append(
+                    review.entry(row["id"], row["text"], found, flags[0].item_text))
             else:
                 writer.write(row)
                 ledger.kept(row["id"])
         n_out = writer.count
     ledger.write()
-    return {**ledger.check(n_in, n_out), **_summary(cfg, per_bench)}
+    return {**ledger.check(n_in, n_out), **_summary(cfg, per_bench, rows)}
 
 
 def _detail(flags: list[Flag], spans: np.ndarray | None) -> dict:
@@ -443,8 +464,9 @@ def _detail(flags: list[Flag], spans: np.ndarray | None) -> dict:
 
 
 def _flagged(cfg: DecontamConfig, row: dict, flags: list[Flag], writer: DocWriter, ledger: Ledger,
-             per_bench: dict) -> None:
-    """Cut or drop a flagged document, and account for it under its first flag's benchmark and tier."""
+             per_bench: dict) -> dict:
+    """Cut or drop a flagged document, and account for it under its first flag's benchmark and tier; its
+    ledger detail."""
     text = row["text"]
     try:
         found = _detail(flags, word_spans(text))
@@ -452,9 +474,9 @@ def _flagged(cfg: DecontamConfig, row: dict, flags: list[Flag], writer: DocWrite
             if cfg.action == "cut" else ([], 0)
     except Unmappable as e:  # one odd document must not fail the stage: set it aside, say why
         if cfg.action == "cut":
-            ledger.add(row["id"], "quarantined", "cut_unmappable",
-                       json.dumps({**_detail(flags, None), "error": str(e)}, sort_keys=True))
-            return
+            found = {**_detail(flags, None), "error": str(e)}
+            ledger.add(row["id"], "quarantined", "cut_unmappable", json.dumps(found, sort_keys=True))
+            return found
         found, pieces, removed = _detail(flags, None), [], 0
     stats = per_bench.setdefault(flags[0].item["benchmark"], {
         "documents_dropped": 0, "documents_cut": 0, "chars_removed": 0, **{f"flagged_{t}": 0 for t in TIERS}})
@@ -469,6 +491,17 @@ def _flagged(cfg: DecontamConfig, row: dict, flags: list[Flag], writer: DocWrite
         ledger.add(row["id"], "contaminated", flags[0].item["benchmark"], json.dumps(found, sort_keys=True))
         stats["documents_dropped"] += 1
         stats["chars_removed"] += len(text)
+    return found
+
+
+def review_of(index_dir: Path, docs_dir: Path, doc_id: str, found: dict) -> dict:
+    """The review of one flagged document (`review.entry`), from the index it was checked against, the documents
+    decontaminate read, and its ledger detail `found`."""
+    items = pq.read_table(Path(index_dir) / "items.parquet", columns=["benchmark", "item_id"]).to_pylist()
+    row = items.index({"benchmark": found["benchmark"], "item_id": found["item_id"]})
+    item = pq.read_table(Path(index_dir) / ITEM_TEXTS).column("text")[row].as_py()
+    text = next((d["text"] for d in iter_docs(docs_dir) if d["id"] == doc_id), "")
+    return review.entry(doc_id, text, found, item)
 
 
 def overlap_stage(s: dict, inputs: dict, out: Path) -> dict:

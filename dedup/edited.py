@@ -60,11 +60,13 @@ class Builder:
 
 @dataclass
 class Found:
-    """One verified item: its index row, strength, and the matched runs [first word, end word) of the document."""
+    """One verified item: its index row, strength, and the matched runs [first word, end word) of the document
+    and, in the same order, of the item."""
 
     row: int
     strength: float
     runs: list[tuple[int, int]]
+    item_runs: list[tuple[int, int]]
 
     @property
     def matched(self) -> int:
@@ -116,12 +118,14 @@ class Matcher:
         """Align item `row` with the document's word hashes `doc` around [a, b)."""
         item = self.item_hashes(row)
         lo, hi = max(0, a - self.n), min(doc.size, b + self.n)
-        runs = [(lo + j0, lo + j1) for j0, j1 in lcs_runs(item, doc[lo:hi]) if j1 - j0 >= MIN_RUN]
-        return Found(row, round(sum(j1 - j0 for j0, j1 in runs) / max(1, item.size), 4), runs)
+        runs = [(i, lo + j, k) for i, j, k in lcs_runs(item, doc[lo:hi]) if k >= MIN_RUN]
+        return Found(row, round(sum(k for _, _, k in runs) / max(1, item.size), 4),
+                     [(j, j + k) for _, j, k in runs], [(i, i + k) for i, _, k in runs])
 
 
-def lcs_runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
-    """Runs [start, end) of `b` that a longest common subsequence of `a` and `b` matches contiguously in both.
+def lcs_runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start in `a`, start in `b`, length) of each run that a longest common subsequence of `a` and `b` matches
+    contiguously in both.
 
     Row i of the table is the running maximum of max(previous row, previous row shifted + equal), so each row
     is a few numpy operations; the walk back is in Python, over at most len(a) + len(b) steps."""
@@ -144,14 +148,12 @@ def lcs_runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
     return _runs(pairs[::-1])
 
 
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Matched (item, document) index pairs, in order, joined where both sides are consecutive."""
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Matched (a, b) index pairs, in order, joined where both sides are consecutive."""
     runs: list[list[int]] = []
-    last = (-2, -2)
     for i, j in pairs:
-        if runs and (i, j) == (last[0] + 1, last[1] + 1):
-            runs[-1][1] = j + 1
+        if runs and i == runs[-1][0] + runs[-1][2] and j == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
         else:
-            runs.append([j, j + 1])
-        last = (i, j)
-    return [(s, e) for s, e in runs]
+            runs.append([i, j, 1])
+    return [(i, j, k) for i, j, k in runs]

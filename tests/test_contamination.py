@@ -343,3 +343,30 @@ def test_second_tier_settings_are_in_the_keys_of_the_stages_they_shape(field, va
     differ = {name for name in ("benchmarks", "decontaminate", "overlap")
               if len({keys.digest(name, key_parts(STAGES[name], c, inputs)) for c in (cfg, changed)}) == 2}
     assert differ == shaped
+
+
+def test_edited_flag_is_shown_in_the_review_report_with_its_spans(own_index, tmp_path):
+    import markdown
+
+    from moeflow.card import report
+
+    edited = _every_fifth_replaced(OWN_ITEMS[1])
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "leak", "source": "s", "domain": "d", "path": "p", "text": CARRIER + edited + "\n\n" + CARRIER})
+    stats = contamination.run(DecontamConfig(), docs, own_index, out)
+    [shown] = stats["review"]["own"]
+    assert (shown["doc_id"], shown["tier"], shown["item_id"]) == ("leak", "edited", "q1")
+    # both sides, the matched runs in bold and the replaced words not
+    assert "**Maria plants tomatoes in** zyxt **raised beds behind the** zyxt" in shown["window"]
+    assert shown["item"].startswith("**Maria plants tomatoes in** seven **raised beds behind the** bakery")
+    md = report.review({"decontaminate-x": {"stage": "decontaminate", "stats": stats}})
+    assert "| own | 0 | 1 |" in md["tiers"] and "| all | 0 | 1 |" in md["tiers"]
+    assert f"| `leak` | edited | {shown['strength']} | `q1`: {shown['item']} | {shown['window']} |" in md["flagged"]["own"]
+    html = markdown.markdown(md["flagged"]["own"], extensions=["tables"])
+    assert "<td>`q1`" not in html and "<strong>Maria plants tomatoes in</strong> seven" in html
+    # `moeflow explain` shows the same, from the ledger's detail
+    detail = json.loads(read_ledger(out).to_pylist()[0]["detail"])
+    assert contamination.review_of(own_index, docs, "leak", detail) == shown
