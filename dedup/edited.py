@@ -1,7 +1,7 @@
 """Decontamination's second tier: benchmark items leaked under edits (words substituted, inserted or dropped
 every few words) that leave no intact long n-gram for the first tier, found without losing precision.
 
-Index: every item's word `edited_ngram`-grams (short enough that some survive an edit every fifth word), each
+Index: every item's word `edited_ngram`-grams (3 words by default: some survive an edit every fourth word), each
 hash with every item it occurs in (n-grams in more than `max_items_per_ngram` items are left out, as in the
 first tier), and each item's count of them.
 Candidates: a document's short n-grams looked up; an item is a candidate when at least `MIN_FRACTION` of its
@@ -21,7 +21,7 @@ import numpy as np
 from moeflow.dedup.lookup import SortedHashes
 from moeflow.tokenize.ngrams import ngram_hashes, windows, word_hashes, words
 
-MIN_FRACTION = 0.15  # an edit every 5th word leaves about a fifth of an item's 4-grams
+MIN_FRACTION = 0.15  # an edit every 4th word leaves a quarter of an item's 3-grams
 MIN_HITS = 3
 MIN_RUN = 2
 SPAN_SLACK = 1.5  # the densest span searched is at most this times the item's words (plus 2 n-grams)
@@ -53,7 +53,7 @@ class Builder:
         keep = counts <= max_items
         owners = owners[np.repeat(keep, counts)]
         return {"edit_ngram": np.array(self.n), "edit_hashes": uniq[keep],
-                "edit_offsets": np.concatenate([[0], np.cumsum(counts[keep])]),
+                "edit_offsets": np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int32),
                 "edit_owners": owners, "edit_counts": np.bincount(owners, minlength=len(self.hashes)),
                 "item_words": np.array(self.words, dtype=np.int64)}
 

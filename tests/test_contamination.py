@@ -271,8 +271,15 @@ def own_index(tmp_path):
     return out
 
 
-def _every_fifth_replaced(text: str) -> str:
-    return " ".join("zyxt" if (i + 1) % 5 == 0 else t for i, t in enumerate(text.split()))
+def _every_fifth_replaced(text: str, k: int = 5) -> str:
+    return " ".join("zyxt" if (i + 1) % k == 0 else t for i, t in enumerate(text.split()))
+
+
+def test_every_fourth_word_replaced_is_caught_too(own_index):
+    """3-word n-grams find the item where no 4-gram of it is left; the alignment still covers 3/4 of it."""
+    text = CARRIER + _every_fifth_replaced(OWN_ITEMS[0], 4) + "\n\n" + CARRIER
+    flags = contamination.Index(own_index).find(text, DecontamConfig())
+    assert [(f.tier, f.item["item_id"]) for f in flags] == [("edited", "q0")] and 0.7 < flags[0].strength < 0.8
 
 
 def test_item_with_every_fifth_word_replaced_is_caught_by_the_second_tier(own_index):
@@ -364,7 +371,8 @@ def test_edited_flag_is_shown_in_the_review_report_with_its_spans(own_index, tmp
     assert shown["item"].startswith("**Maria plants tomatoes in** seven **raised beds behind the** bakery")
     md = report.review({"decontaminate-x": {"stage": "decontaminate", "stats": stats}})
     assert "| own | 0 | 1 |" in md["tiers"] and "| all | 0 | 1 |" in md["tiers"]
-    assert f"| `leak` | edited | {shown['strength']} | `q1`: {shown['item']} | {shown['window']} |" in md["flagged"]["own"]
+    row = f"| `leak` | edited | {shown['strength']} | `q1`: {shown['item']} | {shown['window']} |"
+    assert row in md["flagged"]["own"]
     html = markdown.markdown(md["flagged"]["own"], extensions=["tables"])
     assert "<td>`q1`" not in html and "<strong>Maria plants tomatoes in</strong> seven" in html
     # `moeflow explain` shows the same, from the ledger's detail
