@@ -318,9 +318,9 @@ class Index:
         flags = []
         if matched >= cfg.min_matches:
             runs = merge_ranges([(s, s + cfg.ngram) for s in starts.tolist()])
-            flags.append(Flag("ngram", self.items[row], self._strength(row, runs), runs,
-                              {"matched_ngrams": matched}, *self._item_side(row, windows(wh, cfg.ngram)[starts],
-                                                                            cfg.ngram)))
+            text, item_runs = self._item_side(row, windows(wh, cfg.ngram)[starts], cfg.ngram)
+            flags.append(Flag("ngram", self.items[row], self._strength(row, item_runs), runs,
+                              {"matched_ngrams": matched}, text, item_runs))
         if cfg.edited and self.edited is not None:
             flags += self._second(wh, cfg, {row} if flags else set(), [r for f in flags for r in f.runs])
         return flags
@@ -333,10 +333,11 @@ class Index:
         at = np.flatnonzero(np.isin(windows(self.edited.item_hashes(row), n), matched))
         return text, merge_ranges([(a, a + n) for a in at.tolist()])
 
-    def _strength(self, row: int, runs: list[tuple[int, int]]) -> float:
+    def _strength(self, row: int, item_runs: list[tuple[int, int]]) -> float:
+        """The share of the item's words in n-grams the document shares (1 for an index without item texts)."""
         if self.edited is None:
             return 1.0
-        return round(min(1.0, sum(b - a for a, b in runs) / max(1, int(self.edited.item_words[row]))), 4)
+        return round(sum(b - a for a, b in item_runs) / max(1, int(self.edited.item_words[row])), 4)
 
     def _second(self, wh: np.ndarray, cfg: DecontamConfig, seen: set[int], taken: list) -> list[Flag]:
         flags = []

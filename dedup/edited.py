@@ -24,6 +24,7 @@ from moeflow.tokenize.ngrams import ngram_hashes, windows, word_hashes, words
 MIN_FRACTION = 0.15  # an edit every 4th word leaves a quarter of an item's 3-grams
 MIN_HITS = 3
 MIN_RUN = 2
+CACHED = 4096
 SPAN_SLACK = 1.5  # the densest span searched is at most this times the item's words (plus 2 n-grams)
 
 
@@ -110,6 +111,10 @@ class Matcher:
         return int(ends[k] - k), int(p[k]), int(p[ends[k] - 1]) + self.n
 
     def item_hashes(self, row: int) -> np.ndarray:
+        """The item's word hashes, cached (a passage's items are checked together) up to `CACHED` items, then
+        afresh."""
+        if len(self._words) > CACHED:
+            self._words.clear()
         if row not in self._words:
             self._words[row] = word_hashes(words(self.texts[row]))
         return self._words[row]

@@ -54,6 +54,12 @@ def test_planted_item_is_caught_and_attributed(index_dir, tmp_path):
     assert rows["leak"]["fate"] == "contaminated" and rows["leak"]["reason"] == "gsm8k"
     detail = json.loads(rows["leak"]["detail"])
     assert detail["item_id"] == item_id and detail["matched_ngrams"] >= 1
+    # the question is a part of the item (its answer follows): found as upper-cased, where it was planted
+    leak = "Some preamble about farming.\n" + question.upper() + "\nAnd then we moved on."
+    assert detail["tier"] == "ngram" and 0.1 < detail["strength"] < 1
+    start = len("Some preamble about farming.\n")
+    assert leak[start:].startswith(question.upper())
+    assert detail["spans"] == [[start, start + max(m.end() for m in re.finditer(r"\w+", question))]]
     assert rows["clean"]["fate"] == "kept" and rows["numbers"]["fate"] == "kept"
     assert stats["contaminated_by_benchmark"] == {"gsm8k": 1}
 
