@@ -129,7 +129,9 @@ def review(graph: dict[str, dict]) -> dict | None:
                         [[f"`{r['doc_id']}`", r["tier"], r["strength"], f"`{r['item_id']}`: {r['item']}", r["window"]]
                          for r in rows])
                for b, rows in stats["review"].items() if rows}
-    return {"tiers": tiers, "flagged": flagged, "per_benchmark": {b: len(rows) for b, rows in stats["review"].items()}}
+    shown = {b: f"{len(rows)} of {sum(per[b].get(f'flagged_{t}', 0) for t in TIER_NAMES)}"
+             for b, rows in stats["review"].items()}
+    return {"tiers": tiers, "flagged": flagged, "shown": shown}
 
 
 def render_report(graph: dict[str, dict]) -> str:

@@ -446,8 +446,9 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
             flags = index.find(row["text"], cfg)
             if flags:
                 found = _flagged(cfg, row, flags, writer, ledger, per_bench)
-                rows.setdefault(found["benchmark"], []).append(
-                    review.entry(row["id"], row["text"], found, flags[0].item_text))
+                if "error" not in found:  # quarantined: not counted as flagged, so not in the review either
+                    rows.setdefault(found["benchmark"], []).append(
+                        review.entry(row["id"], row["text"], found, flags[0].item_text))
             else:
                 writer.write(row)
                 ledger.kept(row["id"])
