@@ -16,7 +16,7 @@ from huggingface_hub import DatasetCard, DatasetCardData
 
 from moeflow.card.graph import collect, single
 from moeflow.card.render import render as render_template
-from moeflow.card.sections import SECONDS, dedup_clusters, filter_table, seconds, stages_table, table
+from moeflow.card.sections import SECONDS, dedup_clusters, edited_tier, filter_table, seconds, stages_table, table
 from moeflow.core.documents import iter_docs
 
 DATASET_CARD = "dataset_card.md"
@@ -114,12 +114,14 @@ def _contamination(graph: dict[str, dict]) -> dict | None:
         return None
     bench, decon = single(graph, "benchmarks")["stats"], single(graph, "decontaminate")["stats"]
     per = decon.get("per_benchmark", {})
-    rows = [[b, s["split"], s["items"], s["items_too_short"], per.get(b, {}).get("documents_dropped", 0),
-             per.get(b, {}).get("documents_cut", 0), per.get(b, {}).get("chars_removed", 0)]
+    rows = [[b, s["split"], s["items"], s["items_too_short"],
+             *(per.get(b, {}).get(k, 0) for k in ("documents_dropped", "documents_cut", "flagged_ngram",
+                                                   "flagged_edited", "chars_removed"))]
             for b, s in sorted(bench["benchmarks"].items())]
     head = ["benchmark", "split", "items", "items too short to index", "documents dropped", "documents cut",
-            "characters removed"]
+            "flagged: intact n-gram", "flagged: edited item", "characters removed"]
     return {"ngram": bench["ngram"], "dropped": decon.get("action", "drop") == "drop",
+            "edited": edited_tier(single(graph, "decontaminate")["config"]),
             "benchmarks": len(bench["benchmarks"]), "table": table(head, rows)}
 
 

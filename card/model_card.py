@@ -7,7 +7,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from moeflow.card import evaluation, training
 from moeflow.card.graph import DATA_STAGES, by_stage
 from moeflow.card.render import render
-from moeflow.card.sections import SECONDS, dedup_clusters, filter_table, seconds, stages_table, table
+from moeflow.card.sections import SECONDS, dedup_clusters, edited_tier, filter_table, seconds, stages_table, table
 
 CARD = "README.md"
 TEMPLATE = "model_card.md.j2"
@@ -130,18 +130,22 @@ def _contamination(g: dict[str, dict]) -> dict:
             s["ngrams"],
             per.get(b, {}).get("documents_dropped", 0),
             per.get(b, {}).get("documents_cut", 0),
+            per.get(b, {}).get("flagged_ngram", 0),
+            per.get(b, {}).get("flagged_edited", 0),
             per.get(b, {}).get("chars_removed", 0),
             overlap["remaining"].get(b, {}).get("documents", 0) if overlap else "not measured",
         ]
         for b, s in sorted(bench["benchmarks"].items())
     ]
     head = ["benchmark", "split", "items", "items too short", "n-grams indexed", "documents dropped",
-            "documents cut", "characters removed", "overlap left in token store (documents)"]
+            "documents cut", "flagged: intact n-gram", "flagged: edited item", "characters removed",
+            "overlap left in token store (documents)"]
     return {
         "ngram": bench["ngram"],
         "max_items_per_ngram": bench_cfg["max_items_per_ngram"],
         "min_alpha_words": bench_cfg["min_alpha_words"],
         "dropped": decon.get("action", "drop") == "drop",
+        "edited": edited_tier(g["decontaminate"]["config"]),
         "overlap_measured": bool(overlap),
         "benchmarks": len(bench["benchmarks"]),
         "table": table(head, rows),

@@ -94,7 +94,7 @@ def _artifact(name: str, r: dict, built: set[str]) -> dict:
         "previous": prev,
         "changes": "; ".join(changes),
         "config": json.dumps(r["config"], indent=2, sort_keys=True),
-        "stats": json.dumps(r["stats"], indent=2, sort_keys=True),
+        "stats": json.dumps({k: v for k, v in r["stats"].items() if k != "review"}, indent=2, sort_keys=True),
         "waterfall": _waterfall_table(r) if r["stage"] == "filter" else None,
     }
 
@@ -110,6 +110,30 @@ def _waterfall_table(rec: dict) -> str | None:
     return table(["source", *steps], cells)
 
 
+TIER_NAMES = {"ngram": "intact n-gram", "edited": "edited item (aligned)"}
+
+
+def review(graph: dict[str, dict]) -> dict | None:
+    """The decontamination review: documents flagged per tier and benchmark, and each benchmark's weakest
+    flags with the item and the document window side by side (matched words in bold); None before
+    decontaminate, or from a record written before the review existed."""
+    rec = single(graph, "decontaminate", required=False)
+    if rec is None or "review" not in rec["stats"]:
+        return None
+    stats = rec["stats"]
+    per = stats["per_benchmark"]
+    tiers = table(["benchmark", *(f"flagged: {TIER_NAMES[t]}" for t in TIER_NAMES)],
+                  [[b, *(per[b].get(f"flagged_{t}", 0) for t in TIER_NAMES)] for b in sorted(per)]
+                  + [["all", *(stats["flagged_by_tier"].get(t, 0) for t in TIER_NAMES)]])
+    flagged = {b: table(["document", "tier", "strength", "benchmark item", "document window"],
+                        [[f"`{r['doc_id']}`", r["tier"], r["strength"], f"`{r['item_id']}`: {r['item']}", r["window"]]
+                         for r in rows])
+               for b, rows in stats["review"].items() if rows}
+    shown = {b: f"{len(rows)} of {sum(per[b].get(f'flagged_{t}', 0) for t in TIER_NAMES)}"
+             for b, rows in stats["review"].items()}
+    return {"tiers": tiers, "flagged": flagged, "shown": shown}
+
+
 def render_report(graph: dict[str, dict]) -> str:
     """Every artifact's config, inputs, code, run and stats, upstream first, then the drill-down."""
     run, built = last_run(graph)
@@ -123,6 +147,7 @@ def render_report(graph: dict[str, dict]) -> str:
         names=list(graph),
         artifacts=[_artifact(name, r, built) for name, r in graph.items()],
         drill=_drill(graph, 3),
+        review=review(graph),
     )
 
 

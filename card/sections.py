@@ -62,3 +62,14 @@ def dedup_clusters(stats: dict) -> dict:
     rows = [[z, exact.get(z, 0), near.get(z, 0)] for z in sizes]
     return {"exact": stats.get("duplicate_clusters", 0), "minhash": stats.get("minhash_clusters", 0),
             "table": table(["cluster size", "exact clusters", "MinHash clusters"], rows) if sizes else None}
+
+
+def edited_tier(cfg: dict) -> str | None:
+    """The sentence that says how the second tier flags an edited item; None where it was off."""
+    if not cfg.get("edited"):
+        return None
+    return (f"A second tier flags benchmark items edited so that no indexed n-gram is left intact: an item "
+            f"whose {cfg['edited_ngram']}-word n-grams cluster in a document is aligned word for word with it, "
+            f"and flagged when runs of two or more words cover at least {cfg['edited_min_strength']:.0%} "
+            f"of the item's words (and {cfg['edited_min_words']} words); the flagged-by-tier columns count "
+            "documents by the tier of their first flag.")

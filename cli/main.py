@@ -241,7 +241,6 @@ def _down(args) -> int:
 
 def _explain(args) -> int:
     from moeflow import configs
-    from moeflow.core import ledger
 
     cfg = configs.load(args.config)
     complete = [s for s in _runs(cfg) if s["config"] == cfg.name and s["card"]]
@@ -252,18 +251,9 @@ def _explain(args) -> int:
         )
         return 1
     stages = complete[-1]["stages"]
-    found = False
-    for stage in ("ingest", "filter", "dedup", "decontaminate"):
-        if stage not in stages:
-            continue
-        table = ledger.read(_dir(cfg, stage, stages[stage]))
-        rows = table.filter(table.column("doc_id").to_numpy(zero_copy_only=False) == args.doc_id).to_pylist()
-        for row in rows:
-            found = True
-            extra = " ".join(x for x in (row["reason"], row["detail"]) if x)
-            print(f"{stage:14s} {row['fate']:12s} {extra}")
-            if row["fate"] != "kept":
-                return 0
+    found, gone = _fates(cfg, stages, args.doc_id)
+    if gone:
+        return 0
     if not found:
         print(f"document {args.doc_id!r} is in no ledger of the latest {args.config} run", file=sys.stderr)
         return 1
@@ -287,6 +277,42 @@ def _explain(args) -> int:
                 f"{s['doc_offset']}-{s['doc_offset'] + s['length'] - 1}"
             )
     return 0
+
+
+def _fates(cfg, stages: dict, doc_id: str) -> tuple[bool, bool]:
+    """Print the document's fate in each data stage's ledger (a flag's review beside it); (found in any ledger,
+    left the corpus)."""
+    from moeflow.core import ledger
+
+    found = False
+    for stage in ("ingest", "filter", "dedup", "decontaminate"):
+        if stage not in stages:
+            continue
+        table = ledger.read(_dir(cfg, stage, stages[stage]))
+        rows = table.filter(table.column("doc_id").to_numpy(zero_copy_only=False) == doc_id).to_pylist()
+        for row in rows:
+            found = True
+            extra = " ".join(x for x in (row["reason"], row["detail"]) if x)
+            print(f"{stage:14s} {row['fate']:12s} {extra}")
+            if stage == "decontaminate" and row["detail"]:
+                _review(cfg, stages, doc_id, json.loads(row["detail"]))
+            if row["fate"] != "kept":
+                return True, True
+    return found, False
+
+
+def _review(cfg, stages: dict, doc_id: str, found: dict) -> None:
+    """A flagged document's review, as the lineage report shows it: the item and the document window, matched
+    words in bold (Markdown)."""
+    from moeflow.dedup.contamination import review_of
+
+    if "spans" not in found:  # a ledger written before flags kept their spans
+        return
+    for flag in [found, *found.get("also", [])]:
+        e = review_of(_dir(cfg, "benchmarks", stages["benchmarks"]), _dir(cfg, "dedup", stages["dedup"]), doc_id, flag)
+        print(f"{'':14s} {e['tier']} flag, strength {e['strength']}: {e['benchmark']} item {e['item_id']}")
+        print(f"{'':14s}   item:     {e['item']}")
+        print(f"{'':14s}   document: {e['window']}")
 
 
 def _export(args) -> int:

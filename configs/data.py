@@ -181,6 +181,11 @@ class DecontamConfig(Frozen):
     # n-grams in more items are too common to count (passage benchmarks repeat a passage per question)
     max_items_per_ngram: int = Field(default=50, ge=1)
     min_alpha_words: int = Field(default=7, ge=0)  # n-grams with fewer non-numeric words are not indexed
+    # the second tier (`dedup.edited`): items leaked under edits that leave no intact `ngram`-gram
+    edited: bool = True
+    edited_ngram: int = Field(default=3, ge=2)  # the short n-grams that find candidates (indexed)
+    edited_min_strength: float = Field(default=0.6, gt=0, le=1)  # share of the item's words aligned, to flag
+    edited_min_words: int = Field(default=13, ge=1)  # and at least this many aligned words
 
 
 class TokenizerKind(str, Enum):

@@ -19,6 +19,7 @@ import re
 import zipfile
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,12 @@ from moeflow.core import progress
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
-from moeflow.dedup import formats
+from moeflow.dedup import edited, formats, review
+from moeflow.dedup.lookup import SortedHashes
 from moeflow.sources import fetch
-from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, words
+from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, windows, word_hashes, words
+
+__all__ = ["window_hashes"]  # re-exported: the harness and tests hash windows as the index does
 from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import load as load_tokenizer
 
@@ -158,16 +162,18 @@ def _request_doc(r: dict) -> dict:
 
 
 def index_stage(s: dict, inputs: dict, out: Path) -> dict:
-    """The `benchmarks` stage's body: `s` holds the benchmarks and the three settings the index reads."""
+    """The `benchmarks` stage's body: `s` holds the benchmarks and the four settings the index reads."""
     cfg = DecontamConfig(ngram=s["ngram"], max_items_per_ngram=s["max_items_per_ngram"],
-                         min_alpha_words=s["min_alpha_words"])
+                         min_alpha_words=s["min_alpha_words"], edited_ngram=s["edited_ngram"])
     return build_index(s["benchmarks"], cfg, out)
 
 
 def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, out: Path) -> dict:
-    """Write `index.npz` (sorted n-gram hashes, item row per hash) and `items.parquet`."""
+    """Write `index.npz` (sorted n-gram hashes, item row per hash; the second tier's arrays), `items.parquet`
+    and `item_texts.parquet` (the text each item is indexed by, which the second tier verifies against)."""
     item_rows: dict[str, list] = {"benchmark": [], "split": [], "item_id": []}
-    hashes, owners = [], []
+    hashes, owners, texts = [], [], []
+    second = edited.Builder(cfg.edited_ngram, edited.short_alpha(cfg.min_alpha_words, cfg.ngram, cfg.edited_ngram))
     per_bench: dict[str, dict] = {}
     scored = EvalItems()
     for bench in tqdm(benchmarks, desc=progress.task_name("benchmarks"), unit="benchmark"):
@@ -178,6 +184,8 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
             text = text_of(bench, doc)
             scored.add(bench, item_id, member, doc)
             h = np.unique(ngram_hashes(text, cfg.ngram, min_alpha=cfg.min_alpha_words))
+            second.add(text)
+            texts.append(text)
             row = len(item_rows["item_id"])
             item_rows["benchmark"].append(bench.name)
             item_rows["split"].append(bench.split)
@@ -197,15 +205,17 @@ def build_index(benchmarks: tuple[BenchmarkConfig, ...], cfg: DecontamConfig, ou
     for bench_name in per_bench:
         rows = np.flatnonzero(np.array(item_rows["benchmark"]) == bench_name)
         per_bench[bench_name]["ngrams"] = int(np.isin(keep_o, rows).sum())
-    np.savez(out / "index.npz", hashes=keep_h, owners=keep_o)
+    np.savez(out / "index.npz", hashes=keep_h, owners=keep_o, **second.arrays(cfg.max_items_per_ngram))
     pq.write_table(pa.table(item_rows), out / "items.parquet")
+    pq.write_table(pa.table({"text": texts}), out / ITEM_TEXTS, compression="zstd")
     scored.write(out / EVAL_ITEMS, per_bench)
     return {"ngram": cfg.ngram, "ngrams": int(keep_h.size), "common_ngrams_skipped": int(common.sum()),
             "max_items_per_ngram": cfg.max_items_per_ngram, "min_alpha_words": cfg.min_alpha_words,
-            "benchmarks": per_bench}
+            "edited_ngram": cfg.edited_ngram, "benchmarks": per_bench}
 
 
 EVAL_ITEMS = "eval_items.parquet"
+ITEM_TEXTS = "item_texts.parquet"
 
 
 class EvalItems:
@@ -242,64 +252,141 @@ class EvalItems:
             stats["unscorable_items"] = self.unfit.get(bench, 0)
 
 
-class Index:
-    """The loaded index. Lookups go through a 2^27-bit membership bitmap first (16 MB): most windows
-    of a document match nothing, and a bitmap probe is one memory access where a binary search over
-    millions of sorted hashes is twenty (measured on the Python docs against the tiny preset's 4.5M
-    n-grams: 0.09 s instead of 2.0 s)."""
+@dataclass
+class Flag:
+    """One benchmark item found in a document: by which tier, how strongly (the share of the item's words
+    matched, at most 1) and where (`runs`: matched ranges [first word, end word) of `words(text)`)."""
 
-    BITS = 27
+    tier: str  # "ngram": an intact indexed n-gram; "edited": the second tier's verified alignment
+    item: dict
+    strength: float
+    runs: list[tuple[int, int]]
+    counts: dict  # {"matched_ngrams": distinct n-grams} or {"matched_words": aligned words}
+    item_text: str = ""  # the item as indexed, and the word ranges of it matched (for review)
+    item_runs: list[tuple[int, int]] = field(default_factory=list)
+
+    def cut_ranges(self) -> list[tuple[int, int]]:
+        """What cut mode removes: each matched n-gram; for an edited item, from its first matched word to its
+        last (the edited words between belong to the item too)."""
+        return self.runs if self.tier == "ngram" else [(self.runs[0][0], self.runs[-1][1])]
+
+    def record(self, spans: np.ndarray | None) -> dict:
+        """The ledger's account of the flag: the item, tier, strength, counts and the matched character spans."""
+        found = {**self.item, "tier": self.tier, "strength": self.strength, **self.counts}
+        if spans is not None:
+            found["spans"] = char_spans(spans, self.runs)
+        if self.item_runs:
+            found["item_spans"] = char_spans(word_spans(self.item_text), self.item_runs)
+        return found
+
+
+class Index:
+    """The loaded index: its n-gram hashes behind a membership bitmap (`lookup.SortedHashes`), and the second
+    tier (`edited.Matcher`) when the index has one."""
 
     def __init__(self, folder: Path):
         data = np.load(Path(folder) / "index.npz", allow_pickle=False)
         self.hashes, self.owners = data["hashes"], data["owners"]
         self.items = pq.read_table(Path(folder) / "items.parquet").to_pylist()
-        self._mask = np.uint64((1 << self.BITS) - 1)
-        present = np.zeros(1 << self.BITS, dtype=bool)
-        present[(self.hashes & self._mask).astype(np.int64)] = True
-        self._bitmap = np.packbits(present, bitorder="little")
+        self._set = SortedHashes(self.hashes)
+        self.edited = None
+        if "edit_hashes" in data.files:
+            texts = pq.read_table(Path(folder) / ITEM_TEXTS).column("text").to_pylist()
+            self.edited = edited.Matcher(data, texts)
 
-    def _lookup(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(mask of windows in the index, their positions in `hashes`)."""
-        slots = (h & self._mask).astype(np.int64)
-        maybe = ((self._bitmap[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
-        hit = np.zeros(h.size, dtype=bool)
-        pos = np.zeros(h.size, dtype=np.int64)
-        if maybe.any():
-            cand = np.flatnonzero(maybe)
-            p = np.searchsorted(self.hashes, h[cand]).clip(max=self.hashes.size - 1)
-            found = self.hashes[p] == h[cand]
-            hit[cand[found]], pos[cand[found]] = True, p[found]
-        return hit, pos
+    def _first(self, wh: np.ndarray, n: int) -> tuple[int, int, np.ndarray]:
+        """(distinct matching n-grams, the item row most of them belong to, their window starts)."""
+        h = windows(wh, n)
+        if h.size == 0 or self.hashes.size == 0:
+            return 0, -1, np.empty(0, dtype=np.int64)
+        hit, pos = self._set.lookup(h)
+        if not hit.any():
+            return 0, -1, np.empty(0, dtype=np.int64)
+        row = int(np.bincount(self.owners[pos[hit]]).argmax())
+        return int(np.unique(h[hit]).size), row, np.flatnonzero(hit)
 
     def matches(self, text: str, n: int) -> tuple[int, dict | None, np.ndarray]:
-        """(distinct matching n-grams, the item most of them belong to, their window starts)."""
-        h = window_hashes(words(text), n)
-        if h.size == 0 or self.hashes.size == 0:
-            return 0, None, np.empty(0, dtype=np.int64)
-        hit, pos = self._lookup(h)
-        if not hit.any():
-            return 0, None, np.empty(0, dtype=np.int64)
-        owners = self.owners[pos[hit]]
-        item = self.items[int(np.bincount(owners).argmax())]
-        return int(np.unique(h[hit]).size), item, np.flatnonzero(hit)
+        """(distinct matching n-grams, the item most of them belong to, their window starts): the first tier."""
+        matched, row, starts = self._first(word_hashes(words(text)), n)
+        return matched, (self.items[row] if matched else None), starts
+
+    def find(self, text: str, cfg: DecontamConfig) -> list[Flag]:
+        """Every flag on `text`: the first tier's (the item most matched n-grams belong to), then the second
+        tier's, for other items, strongest first."""
+        wh = word_hashes(words(text))
+        matched, row, starts = self._first(wh, cfg.ngram)
+        flags = []
+        if matched >= cfg.min_matches:
+            runs = merge_ranges([(s, s + cfg.ngram) for s in starts.tolist()])
+            text, item_runs = self._item_side(row, windows(wh, cfg.ngram)[starts], cfg.ngram)
+            flags.append(Flag("ngram", self.items[row], self._strength(row, item_runs), runs,
+                              {"matched_ngrams": matched}, text, item_runs))
+        if cfg.edited and self.edited is not None:
+            flags += self._second(wh, cfg, {row} if flags else set(), [r for f in flags for r in f.runs])
+        return flags
+
+    def _item_side(self, row: int, matched: np.ndarray, n: int) -> tuple[str, list[tuple[int, int]]]:
+        """The item's text and the word ranges of its n-grams among the document's `matched` ones."""
+        if self.edited is None:
+            return "", []
+        text = self.edited.texts[row]
+        at = np.flatnonzero(np.isin(windows(self.edited.item_hashes(row), n), matched))
+        return text, merge_ranges([(a, a + n) for a in at.tolist()])
+
+    def _strength(self, row: int, item_runs: list[tuple[int, int]]) -> float:
+        """The share of the item's words in n-grams the document shares (1 for an index without item texts)."""
+        if self.edited is None:
+            return 1.0
+        return round(sum(b - a for a, b in item_runs) / max(1, int(self.edited.item_words[row])), 4)
+
+    def _second(self, wh: np.ndarray, cfg: DecontamConfig, seen: set[int], taken: list) -> list[Flag]:
+        flags = []
+        for row, a, b in self.edited.candidates(wh)[:MAX_VERIFIED]:
+            if row in seen or _covered(taken, a, b):
+                continue
+            found = self.edited.verify(row, wh, a, b)
+            if found.strength >= cfg.edited_min_strength and found.matched >= cfg.edited_min_words:
+                seen.add(row)
+                taken += [(found.runs[0][0], found.runs[-1][1])]
+                flags.append(Flag("edited", self.items[row], found.strength, found.runs,
+                                  {"matched_words": found.matched}, self.edited.texts[row], found.item_runs))
+        return sorted(flags, key=lambda f: -f.strength)
 
 
-def cut(text: str, starts: np.ndarray, n: int, margin: int) -> tuple[list[str], int]:
-    """The pieces of `text` left after removing each matched n-gram's characters +- margin; chars removed.
+MAX_VERIFIED = 20  # candidates aligned per document, most hits first: a bound on the work one document costs
 
-    `starts` index `words(text)`; raises Unmappable when they do not fit its spans."""
-    spans = word_spans(text).tolist()
-    if starts.size and (int(starts.min()) < 0 or int(starts.max()) + n > len(spans)):
-        raise Unmappable(f"windows of {n} words start at words {int(starts.min())}..{int(starts.max())}, "
-                         f"but the text has {len(spans)} words")
-    removed: list[list[int]] = []
-    for i in starts.tolist():
-        a, b = max(0, spans[i][0] - margin), min(len(text), spans[i + n - 1][1] + margin)
-        if removed and a <= removed[-1][1]:
-            removed[-1][1] = max(removed[-1][1], b)
+
+def _covered(taken: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether more than half of [a, b) lies in ranges already flagged (another item of the same passage)."""
+    return sum(max(0, min(b, y) - max(a, x)) for x, y in taken) * 2 > b - a
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ranges, overlapping or touching ones joined."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
         else:
-            removed.append([a, b])
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def char_spans(spans: np.ndarray, runs: list[tuple[int, int]]) -> list[list[int]]:
+    """Word ranges as character ranges of the original text (`spans`: its `word_spans`); Unmappable when a range
+    does not fit."""
+    if runs and (min(a for a, _ in runs) < 0 or max(b for _, b in runs) > len(spans)):
+        raise Unmappable(f"word ranges {min(a for a, _ in runs)}..{max(b for _, b in runs)}, "
+                         f"but the text has {len(spans)} words")
+    return [[int(spans[a][0]), int(spans[b - 1][1])] for a, b in runs]
+
+
+def cut(text: str, runs: list[tuple[int, int]], margin: int) -> tuple[list[str], int]:
+    """The pieces of `text` left after removing each word range's characters +- margin; chars removed.
+
+    `runs` index `words(text)`; raises Unmappable when they do not fit its spans."""
+    removed = merge_ranges([(max(0, a - margin), min(len(text), b + margin))
+                            for a, b in char_spans(word_spans(text), runs)])
     pieces, last = [], 0
     for a, b in removed:
         pieces.append(text[last:a])
@@ -322,15 +409,27 @@ def merge(cfg: DecontamConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join the shards in order; the per-benchmark counts summed."""
     stats = [json.loads((d / "manifest.json").read_text())["stats"] for d in prior["shard"]]
     per_bench: dict[str, dict] = {}
+    rows: dict[str, list] = {}
     for s in stats:
         for bench, counts in s["per_benchmark"].items():
             total = per_bench.setdefault(bench, dict.fromkeys(counts, 0))
             for k, v in counts.items():
                 total[k] += v
-    return {**join(prior["shard"], out, "decontaminate"),
-            "ngram": stats[0]["ngram"], "action": stats[0]["action"],
+        for bench, kept in s["review"].items():
+            rows.setdefault(bench, []).extend(kept)
+    return {**join(prior["shard"], out, "decontaminate"), **_summary(cfg, per_bench, rows), "shards": len(stats)}
+
+
+def _summary(cfg: DecontamConfig, per_bench: dict[str, dict], rows: dict[str, list]) -> dict:
+    """The stats of a run or of joined shards; `review` holds each benchmark's weakest flags, both sides."""
+    tiers = {t: sum(v[f"flagged_{t}"] for v in per_bench.values()) for t in TIERS}
+    return {"ngram": cfg.ngram, "action": cfg.action, "edited": cfg.edited, "flagged_by_tier": tiers,
             "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
-            "per_benchmark": dict(sorted(per_bench.items())), "shards": len(stats)}
+            "per_benchmark": dict(sorted(per_bench.items())),
+            "review": {b: review.weakest(r) for b, r in sorted(rows.items())}}
+
+
+TIERS = ("ngram", "edited")
 
 
 def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
@@ -338,42 +437,73 @@ def run(cfg: DecontamConfig, docs_dir: Path, index_dir: Path, out: Path,
     index = Index(index_dir)
     ledger = Ledger("decontaminate", out)
     per_bench: dict[str, dict] = {}
+    rows: dict[str, list] = {}
     n_in = 0
     with DocWriter(out) as writer:
         for row in tqdm(iter_docs(docs_dir, shard=part), total=count_docs(docs_dir, part),
                         desc=f"decontaminate {part[0]}/{part[1]}", unit="doc", mininterval=5):
             n_in += 1
-            matched, item, starts = index.matches(row["text"], cfg.ngram)
-            if matched < cfg.min_matches:
+            flags = index.find(row["text"], cfg)
+            if flags:
+                found = _flagged(cfg, row, flags, writer, ledger, per_bench)
+                if "error" not in found:  # quarantined: not counted as flagged, so not in the review either
+                    rows.setdefault(found["benchmark"], []).append(
+                        review.entry(row["id"], row["text"], found, flags[0].item_text))
+            else:
                 writer.write(row)
                 ledger.kept(row["id"])
-                continue
-            found = {**item, "matched_ngrams": matched}
-            pieces, removed = [], 0
-            if cfg.action == "cut":
-                try:
-                    pieces, removed = cut(row["text"], starts, cfg.ngram, cfg.cut_margin)
-                except Unmappable as e:  # one odd document must not fail the stage: set it aside, say why
-                    ledger.add(row["id"], "quarantined", "cut_unmappable",
-                               json.dumps({**found, "error": str(e)}, sort_keys=True))
-                    continue
-            stats = per_bench.setdefault(item["benchmark"], {"documents_dropped": 0, "documents_cut": 0,
-                                                             "chars_removed": 0})
-            if cfg.action == "cut" and 0 < len(pieces) <= cfg.max_cuts:
-                writer.write({**row, "text": "\n\n".join(pieces)})
-                ledger.add(row["id"], "kept", "cut", json.dumps({**found, "pieces": len(pieces),
-                                                               "chars_removed": removed}, sort_keys=True))
-                stats["documents_cut"] += 1
-                stats["chars_removed"] += removed
-            else:
-                ledger.add(row["id"], "contaminated", item["benchmark"], json.dumps(found, sort_keys=True))
-                stats["documents_dropped"] += 1
-                stats["chars_removed"] += len(row["text"])
         n_out = writer.count
     ledger.write()
-    return {**ledger.check(n_in, n_out), "ngram": cfg.ngram, "action": cfg.action,
-            "contaminated_by_benchmark": {b: v["documents_dropped"] for b, v in sorted(per_bench.items())},
-            "per_benchmark": dict(sorted(per_bench.items()))}
+    return {**ledger.check(n_in, n_out), **_summary(cfg, per_bench, rows)}
+
+
+def _detail(flags: list[Flag], spans: np.ndarray | None) -> dict:
+    """The first flag's record, with the others' beside it."""
+    found = flags[0].record(spans)
+    if len(flags) > 1:
+        found["also"] = [f.record(spans) for f in flags[1:]]
+    return found
+
+
+def _flagged(cfg: DecontamConfig, row: dict, flags: list[Flag], writer: DocWriter, ledger: Ledger,
+             per_bench: dict) -> dict:
+    """Cut or drop a flagged document, and account for it under its first flag's benchmark and tier; its
+    ledger detail."""
+    text = row["text"]
+    try:
+        found = _detail(flags, word_spans(text))
+        pieces, removed = cut(text, [r for f in flags for r in f.cut_ranges()], cfg.cut_margin) \
+            if cfg.action == "cut" else ([], 0)
+    except Unmappable as e:  # one odd document must not fail the stage: set it aside, say why
+        if cfg.action == "cut":
+            found = {**_detail(flags, None), "error": str(e)}
+            ledger.add(row["id"], "quarantined", "cut_unmappable", json.dumps(found, sort_keys=True))
+            return found
+        found, pieces, removed = _detail(flags, None), [], 0
+    stats = per_bench.setdefault(flags[0].item["benchmark"], {
+        "documents_dropped": 0, "documents_cut": 0, "chars_removed": 0, **{f"flagged_{t}": 0 for t in TIERS}})
+    stats[f"flagged_{flags[0].tier}"] += 1
+    if cfg.action == "cut" and 0 < len(pieces) <= cfg.max_cuts:
+        writer.write({**row, "text": "\n\n".join(pieces)})
+        ledger.add(row["id"], "kept", "cut", json.dumps({**found, "pieces": len(pieces),
+                                                       "chars_removed": removed}, sort_keys=True))
+        stats["documents_cut"] += 1
+        stats["chars_removed"] += removed
+    else:
+        ledger.add(row["id"], "contaminated", flags[0].item["benchmark"], json.dumps(found, sort_keys=True))
+        stats["documents_dropped"] += 1
+        stats["chars_removed"] += len(text)
+    return found
+
+
+def review_of(index_dir: Path, docs_dir: Path, doc_id: str, found: dict) -> dict:
+    """The review of one flagged document (`review.entry`), from the index it was checked against, the documents
+    decontaminate read, and its ledger detail `found`."""
+    items = pq.read_table(Path(index_dir) / "items.parquet", columns=["benchmark", "item_id"]).to_pylist()
+    row = items.index({"benchmark": found["benchmark"], "item_id": found["item_id"]})
+    item = pq.read_table(Path(index_dir) / ITEM_TEXTS).column("text")[row].as_py()
+    text = next((d["text"] for d in iter_docs(docs_dir) if d["id"] == doc_id), "")
+    return review.entry(doc_id, text, found, item)
 
 
 def overlap_stage(s: dict, inputs: dict, out: Path) -> dict:

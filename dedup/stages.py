@@ -24,6 +24,7 @@ def _index_config(c: RunConfig) -> dict:
         "ngram": d.ngram,
         "max_items_per_ngram": d.max_items_per_ngram,
         "min_alpha_words": d.min_alpha_words,
+        "edited_ngram": d.edited_ngram,
     }
 
 

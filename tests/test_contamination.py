@@ -54,6 +54,12 @@ def test_planted_item_is_caught_and_attributed(index_dir, tmp_path):
     assert rows["leak"]["fate"] == "contaminated" and rows["leak"]["reason"] == "gsm8k"
     detail = json.loads(rows["leak"]["detail"])
     assert detail["item_id"] == item_id and detail["matched_ngrams"] >= 1
+    # the question is a part of the item (its answer follows): found as upper-cased, where it was planted
+    leak = "Some preamble about farming.\n" + question.upper() + "\nAnd then we moved on."
+    assert detail["tier"] == "ngram" and 0.1 < detail["strength"] < 1
+    start = len("Some preamble about farming.\n")
+    assert leak[start:].startswith(question.upper())
+    assert detail["spans"] == [[start, start + max(m.end() for m in re.finditer(r"\w+", question))]]
     assert rows["clean"]["fate"] == "kept" and rows["numbers"]["fate"] == "kept"
     assert stats["contaminated_by_benchmark"] == {"gsm8k": 1}
 
@@ -85,7 +91,8 @@ def test_cut_mode_removes_the_span_and_keeps_the_rest(index_dir, tmp_path):
     assert cut_chars == len(before + question + after) - (len(kept["mid"]) - len("\n\n"))
     scattered = (question + " " + "filler words here " * 80) * 4  # dropped whole: all its characters count
     assert stats["per_benchmark"]["gsm8k"] == {"documents_cut": 1, "documents_dropped": 1,
-                                               "chars_removed": cut_chars + len(scattered)}
+                                               "chars_removed": cut_chars + len(scattered),
+                                               "flagged_ngram": 2, "flagged_edited": 0}
 
 
 def test_saved_hf_datasets_are_read_from_the_package(smoke_data):
@@ -146,7 +153,7 @@ def test_cut_removes_exactly_the_planted_span(tmp_path, before, after):
     text = before + PLANTED + after
     matched, item, starts = _tiny_index(tmp_path, PLANTED, n).matches(text, n)
     assert matched == len(contamination.words(PLANTED)) - n + 1 and item["item_id"] == "7"
-    pieces, removed = contamination.cut(text, starts, n, margin)
+    pieces, removed = contamination.cut(text, [(s, s + n) for s in starts.tolist()], margin)
     assert pieces == [before[:-margin], after[margin:]] and removed == len(PLANTED) + 2 * margin
 
 
@@ -165,8 +172,8 @@ def test_cut_mode_run_keeps_the_text_around_a_folded_span(tmp_path):
 
 
 def test_windows_past_the_words_are_unmappable():
-    with pytest.raises(contamination.Unmappable, match="start at words 1..1, but the text has 2 words"):
-        contamination.cut("two words", np.array([1]), 5, 0)
+    with pytest.raises(contamination.Unmappable, match="word ranges 1..6, but the text has 2 words"):
+        contamination.cut("two words", [(1, 6)], 0)
 
 
 def test_unmappable_document_is_quarantined_not_a_stage_failure(tmp_path, monkeypatch):
@@ -241,3 +248,139 @@ def test_overlap_shards_joined_equal_the_unsharded_check(index_dir, tmp_path):
         DecontamConfig(), store_dir, tok_dir, index_dir, out, part), contamination.overlap_merge, cfg)
     assert stats.pop("shards") == 3 and stats == expected
     assert (joined / "overlap.json").read_bytes() == (whole / "overlap.json").read_bytes()
+
+
+# your own eval set of three items, no two sharing a phrase: the second tier indexes it like a package's
+OWN_ITEMS = [
+    "A lighthouse keeper on a northern island records the height of every wave that strikes the rocks below "
+    "his tower, and after nine winters he notices that the largest waves always arrive two days after a full "
+    "moon. How many storms did he log?",
+    "Maria plants tomatoes in seven raised beds behind the bakery where she works; each bed yields a basket "
+    "of fruit every week from July until the first frost, which she trades with neighbours for honey and "
+    "firewood. What does she trade?",
+    "The orchestra rehearses in an old railway shed whose tin roof rattles whenever freight trains pass, so "
+    "the conductor schedules the quiet slow movements for Sunday mornings when the yard stands empty and "
+    "silent. When do they rehearse?",
+]
+CARRIER = ("Notes from the harbour office. The ferry timetable changes in spring, when the longer evenings "
+           "bring more visitors to the quay and the cafés open their terraces again.\n\n")
+
+
+@pytest.fixture
+def own_index(tmp_path):
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps({"qid": f"q{i}", "text": t}) + "\n" for i, t in enumerate(OWN_ITEMS)))
+    out = tmp_path / "own-index"
+    out.mkdir()
+    bench = BenchmarkConfig(name="own", path=str(path), id_field="qid", text_fields=("text",))
+    contamination.build_index((bench,), DecontamConfig(), out)
+    return out
+
+
+def _every_fifth_replaced(text: str, k: int = 5) -> str:
+    return " ".join("zyxt" if (i + 1) % k == 0 else t for i, t in enumerate(text.split()))
+
+
+def test_every_fourth_word_replaced_is_caught_too(own_index):
+    """3-word n-grams find the item where no 4-gram of it is left; the alignment still covers 3/4 of it."""
+    text = CARRIER + _every_fifth_replaced(OWN_ITEMS[0], 4) + "\n\n" + CARRIER
+    flags = contamination.Index(own_index).find(text, DecontamConfig())
+    assert [(f.tier, f.item["item_id"]) for f in flags] == [("edited", "q0")] and 0.7 < flags[0].strength < 0.8
+
+
+def test_item_with_every_fifth_word_replaced_is_caught_by_the_second_tier(own_index):
+    edited = _every_fifth_replaced(OWN_ITEMS[1])
+    text = CARRIER + edited + "\n\n" + CARRIER
+    assert contamination.Index(own_index).matches(text, 13)[0] == 0  # no intact 13-gram: the first tier misses it
+    flags = contamination.Index(own_index).find(text, DecontamConfig())
+    assert [(f.tier, f.item["item_id"]) for f in flags] == [("edited", "q1")]
+    record = flags[0].record(contamination.word_spans(text))
+    assert 0.75 <= record["strength"] < 1 and record["matched_words"] >= 30
+    # the spans are the item's runs of surviving words (two words or more), in the original text's characters
+    words_at = [(len(CARRIER) + w.start(), len(CARRIER) + w.end(), w.group() == "zyxt")
+                for w in re.finditer(r"\w+", edited)]
+    runs, run = [], []
+    for a, b, replaced in words_at + [(0, 0, True)]:
+        if replaced:
+            runs += [[run[0][0], run[-1][1]]] if len(run) > 1 else []
+            run = []
+        else:
+            run.append((a, b))
+    assert record["spans"] == runs
+    assert record["spans"][0][0] == len(CARRIER) and len(record["spans"]) >= 7
+
+
+def test_near_miss_document_is_not_flagged(own_index):
+    # 9-11 word spans of each item (no intact 13-gram), and an item's first half with every 5th word replaced:
+    # each shares short n-grams with an item, but none aligns with most of its words
+    spans = [" ".join(contamination.words(t)[k : k + 9 + k]) for k, t in enumerate(OWN_ITEMS)]
+    half = _every_fifth_replaced(" ".join(OWN_ITEMS[0].split()[:20]))
+    for text in (CARRIER + "\n\n".join(spans) + "\n\n" + CARRIER, CARRIER + half + " " + CARRIER):
+        assert contamination.Index(own_index).find(text, DecontamConfig()) == []
+
+
+def test_cut_mode_removes_an_edited_items_span_and_nothing_else(own_index, tmp_path):
+    edited = _every_fifth_replaced(OWN_ITEMS[2])
+    assert not edited.endswith("zyxt")  # the item's last word survives, so its span ends with it
+    before, after = CARRIER + "Then, " , " And that was the week." + CARRIER
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "leak", "source": "s", "domain": "d", "path": "p", "text": before + edited + after})
+        w.write({"id": "clean", "source": "s", "domain": "d", "path": "p", "text": CARRIER * 3})
+    stats = contamination.run(DecontamConfig(action="cut", cut_margin=0), docs, own_index, out)
+    # from the item's first word to its last ("rehearse", before the item's final '?'); no margin asked
+    assert [d["text"] for d in iter_docs(out)] == [before + "\n\n?" + after, CARRIER * 3]
+    row = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}["leak"]
+    detail = json.loads(row["detail"])
+    assert (row["reason"], detail["tier"], detail["item_id"]) == ("cut", "edited", "q2")
+    assert detail["chars_removed"] == len(edited) - 1
+    assert stats["flagged_by_tier"] == {"ngram": 0, "edited": 1}
+
+
+@pytest.mark.parametrize("field, value, shaped", [
+    ("edited_ngram", 5, {"benchmarks", "decontaminate"}),  # the index holds the short n-grams
+    ("edited_min_strength", 0.8, {"decontaminate"}),
+    ("edited", False, {"decontaminate"}),
+])
+def test_second_tier_settings_are_in_the_keys_of_the_stages_they_shape(field, value, shaped):
+    from moeflow import configs
+    from moeflow.lineage import keys
+    from moeflow.tasks.registry import STAGES
+    from moeflow.tasks.runner import key_parts
+
+    cfg = configs.load("smoke")
+    changed = cfg.model_copy(update={"decontaminate": cfg.decontaminate.model_copy(update={field: value})})
+    inputs = {"docs": "d", "index": "i", "shards": "s", "tokenizer": "t"}
+    differ = {name for name in ("benchmarks", "decontaminate", "overlap")
+              if len({keys.digest(name, key_parts(STAGES[name], c, inputs)) for c in (cfg, changed)}) == 2}
+    assert differ == shaped
+
+
+def test_edited_flag_is_shown_in_the_review_report_with_its_spans(own_index, tmp_path):
+    import markdown
+
+    from moeflow.card import report
+
+    edited = _every_fifth_replaced(OWN_ITEMS[1])
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    out.mkdir()
+    with DocWriter(docs) as w:
+        w.write({"id": "leak", "source": "s", "domain": "d", "path": "p", "text": CARRIER + edited + "\n\n" + CARRIER})
+    stats = contamination.run(DecontamConfig(), docs, own_index, out)
+    [shown] = stats["review"]["own"]
+    assert (shown["doc_id"], shown["tier"], shown["item_id"]) == ("leak", "edited", "q1")
+    # both sides, the matched runs in bold and the replaced words not
+    assert "**Maria plants tomatoes in** zyxt **raised beds behind the** zyxt" in shown["window"]
+    assert shown["item"].startswith("**Maria plants tomatoes in** seven **raised beds behind the** bakery")
+    md = report.review({"decontaminate-x": {"stage": "decontaminate", "stats": stats}})
+    assert "| own | 0 | 1 |" in md["tiers"] and "| all | 0 | 1 |" in md["tiers"]
+    row = f"| `leak` | edited | {shown['strength']} | `q1`: {shown['item']} | {shown['window']} |"
+    assert row in md["flagged"]["own"]
+    html = markdown.markdown(md["flagged"]["own"], extensions=["tables"])
+    assert "<td>`q1`" not in html and "<strong>Maria plants tomatoes in</strong> seven" in html
+    # `moeflow explain` shows the same, from the ledger's detail
+    detail = json.loads(read_ledger(out).to_pylist()[0]["detail"])
+    assert contamination.review_of(own_index, docs, "leak", detail) == shown

@@ -27,17 +27,28 @@ def words(text: str) -> list[str]:
     return WORD.findall(normalised(text))
 
 
-def window_hashes(toks: list[str], n: int) -> np.ndarray:
-    """uint64 hash of every window of n consecutive words, in order (empty when fewer than n words)."""
-    if len(toks) < n:
+def word_hashes(toks: list[str]) -> np.ndarray:
+    """uint64 xxh3 hash of each word: what `windows` combines, so one pass serves several window lengths."""
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, toks), dtype=np.uint64, count=len(toks))
+
+
+def windows(wh: np.ndarray, n: int) -> np.ndarray:
+    """uint64 hash of every window of n consecutive word hashes, in order (empty when fewer than n)."""
+    if wh.size < n:
         return np.empty(0, dtype=np.uint64)
-    wh = np.fromiter(map(xxhash.xxh3_64_intdigest, toks), dtype=np.uint64, count=len(toks))
-    m = len(toks) - n + 1
+    m = wh.size - n + 1
     acc = np.zeros(m, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
             acc = acc * _MULT + wh[j : j + m]
     return acc
+
+
+def window_hashes(toks: list[str], n: int) -> np.ndarray:
+    """uint64 hash of every window of n consecutive words, in order (empty when fewer than n words)."""
+    if len(toks) < n:
+        return np.empty(0, dtype=np.uint64)
+    return windows(word_hashes(toks), n)
 
 
 def ngram_hashes(text: str, n: int, min_alpha: int = 0) -> np.ndarray:
