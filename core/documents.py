@@ -33,22 +33,38 @@ class DocWriter:
         self.path = Path(folder) / DOCS
         self.rows_per_group = rows_per_group
         self.count = 0
-        self._buf: list[dict] = []
+        self._buf: dict[str, list] = {name: [] for name in SCHEMA.names}  # by column: no per-row conversion
         self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+        self._rows: pa.Table | None = None  # rows that came in Arrow (`write_table`), not yet a full group
+
+    def write_table(self, table: pa.Table) -> None:
+        """Rows already in Arrow (a join copying its parts), cut into the row groups `write` makes: the file
+        is the same whichever way its rows came."""
+        if self._buf["id"]:
+            raise RuntimeError("DocWriter: write_table after write; use one or the other")
+        table = table.select(SCHEMA.names).cast(SCHEMA)
+        self._rows = table if self._rows is None else pa.concat_tables([self._rows, table])
+        self.count += table.num_rows
+        while self._rows.num_rows >= self.rows_per_group:
+            self._writer.write_table(self._rows.slice(0, self.rows_per_group).combine_chunks())
+            self._rows = self._rows.slice(self.rows_per_group)
 
     def write(self, doc: dict) -> None:
-        self._buf.append(doc)
+        for name, column in self._buf.items():
+            column.append(doc.get(name))
         self.count += 1
-        if len(self._buf) >= self.rows_per_group:
+        if len(self._buf["id"]) >= self.rows_per_group:
             self._flush()
 
     def _flush(self) -> None:
-        if self._buf:
-            self._writer.write_table(pa.Table.from_pylist(self._buf, schema=SCHEMA))
-            self._buf = []
+        if self._buf["id"]:
+            self._writer.write_table(pa.table(self._buf, schema=SCHEMA))
+            self._buf = {name: [] for name in SCHEMA.names}
 
     def close(self) -> None:
         self._flush()
+        if self._rows is not None and self._rows.num_rows:
+            self._writer.write_table(self._rows.combine_chunks())
         self._writer.close()
 
     def __enter__(self) -> DocWriter:
@@ -107,8 +123,9 @@ def join(parts: list[Path], out: Path, stage: str) -> dict:
     else:
         with DocWriter(out) as writer:
             for part in parts:
-                for row in iter_docs(part):
-                    writer.write(row)
+                f = pq.ParquetFile(Path(part) / DOCS)
+                for i in range(f.num_row_groups):
+                    writer.write_table(f.read_row_group(i))
         n_out, n_ledger = writer.count, ledgers.concat(parts, out)
     if n_ledger != stats["documents_in"] or n_out != stats["documents_out"]:
         raise ledgers.ConservationError(

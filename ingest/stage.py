@@ -43,6 +43,7 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
     Ids are checked for repeats across the whole corpus by `merge`: here a repeated id stays as read."""
     ledger = Ledger("ingest", out)
     per_source: dict[str, dict] = {}
+    names: dict[Path, str] = {}  # a file's lineage name, resolved once, not once a record
     n_in = 0
     with DocWriter(out) as writer, tqdm(total=sum(u.size for u in mine), desc=progress.task_name("ingest"),
                                         unit="B", unit_scale=True, mininterval=5) as bar:
@@ -62,7 +63,7 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
                     stats["quarantined"] += 1
                     continue
                 writer.write({"id": doc_id, "source": rs.config.name, "domain": rs.config.domain,
-                              "path": portable(path), "text": text})
+                              "path": names.get(path) or names.setdefault(path, portable(path)), "text": text})
                 ledger.kept(doc_id)
                 stats["kept"] += 1
                 stats["bytes"] += len(text.encode("utf-8"))
