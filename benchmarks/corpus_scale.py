@@ -343,7 +343,7 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
               "decontaminate": {"docs": docs.path, "index": index.path},
               "tokenize": {"docs": docs.path, "tokenizer": tok.path}}
     out: dict = {"documents": n, "mb": round(sum(len(d["text"]) for d in base) * scale / 1e6, 1)}
-    for stage in STAGES:
+    for stage in (s for s in STAGES if s in args.stages):
         for workers in (1, 2):
             more = {"jsonl": str(_jsonl_dir(work / f"corpus{scale}") / "*.jsonl")} if stage == "ingest" else {}
             runs = [run_stage(stage, store.root, scale, workers, inputs[stage], **more) for _ in range(args.repeats)]
@@ -358,19 +358,25 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
                 print(f"{scale:>2}x dedup quality: {out['dedup_quality']}", flush=True)
             if stage == "tokenize" and workers == 1:
                 store_path = best["path"]
-    mix = [run_stage("mix", store.root, scale, 1, {"shards": store_path, "tokenizer": tok.path},
-                     steps=MIX_STEPS * scale, domains=sorted({d["domain"] for d in base}))
-           for _ in range(args.repeats)]
-    best = min(mix, key=lambda r: r["wall"])
-    out["mix"] = {"steps": MIX_STEPS * scale, "wall_s": round(best["wall"], 2), "rss_mb": round(best["rss_mb"])}
-    print(f"{scale:>2}x mix: {out['mix']}", flush=True)
+    if "mix" in args.stages:
+        out["mix"] = _mix(scale, store, store_path, tok.path, base, args)
     if scale in (args.scales[0], args.scales[-1]):
-        for kind in ("ingest", "filter", "dedup", "tokenize"):
+        for kind in (k for k in ("ingest", "filter", "dedup", "tokenize") if k in args.stages):
             got = min((_bare(kind, work / f"corpus{scale}") for _ in range(args.repeats)), key=lambda r: r["seconds"])
             out[f"bare_{kind}"] = {"docs_per_s_core": round(n / got["seconds"], 1), "rss_mb": round(got["rss_mb"])}
             if kind == "dedup":
                 out["bare_dedup_quality"] = datatrove_quality(got["removed"], corpus["truth"])
             print(f"{scale:>2}x bare {kind:9s}: {out[f'bare_{kind}']}", flush=True)
+    return out
+
+
+def _mix(scale: int, store, store_path: str, tok_path: str, base: list[dict], args) -> dict:
+    mix = [run_stage("mix", store.root, scale, 1, {"shards": store_path, "tokenizer": tok_path},
+                     steps=MIX_STEPS * scale, domains=sorted({d["domain"] for d in base}))
+           for _ in range(args.repeats)]
+    best = min(mix, key=lambda r: r["wall"])
+    out = {"steps": MIX_STEPS * scale, "wall_s": round(best["wall"], 2), "rss_mb": round(best["rss_mb"])}
+    print(f"{scale:>2}x mix: {out}", flush=True)
     return out
 
 
@@ -385,7 +391,7 @@ def _bare(kind: str, docs: Path) -> dict:
 def summary(results: dict[int, dict], scales: list[int]) -> dict:
     lo, hi = results[scales[0]], results[scales[-1]]
     fig: dict = {"scales": scales, "documents": {s: r["documents"] for s, r in results.items()}}
-    for stage in STAGES:
+    for stage in (s for s in STAGES if f"{s}_w1" in hi):
         one, top = lo[f"{stage}_w1"], hi[f"{stage}_w1"]
         fig[f"{stage}_rss_ratio"] = round(top["rss_mb"] / one["rss_mb"], 3)
         fig[f"{stage}_throughput_ratio"] = round(top["docs_per_s_core"] / one["docs_per_s_core"], 3)
@@ -393,9 +399,10 @@ def summary(results: dict[int, dict], scales: list[int]) -> dict:
         fig[f"{stage}_join_share"] = round(top["join_s"] / top["wall_s"], 3)
         if f"bare_{stage}" in hi:
             fig[f"{stage}_vs_bare_ratio"] = round(top["docs_per_s_core"] / hi[f"bare_{stage}"]["docs_per_s_core"], 3)
-    fig["mix_rss_ratio"] = round(hi["mix"]["rss_mb"] / lo["mix"]["rss_mb"], 3)
-    fig.update({f"dedup_{k}": v for k, v in hi["dedup_quality"].items()})
-    fig.update({f"datatrove_dedup_{k}": v for k, v in hi["bare_dedup_quality"].items()})
+    if "mix" in hi:
+        fig["mix_rss_ratio"] = round(hi["mix"]["rss_mb"] / lo["mix"]["rss_mb"], 3)
+    fig.update({f"dedup_{k}": v for k, v in hi.get("dedup_quality", {}).items()})
+    fig.update({f"datatrove_dedup_{k}": v for k, v in hi.get("bare_dedup_quality", {}).items()})
     return fig
 
 
@@ -404,8 +411,12 @@ def main() -> None:
     ap.add_argument("--base", type=int, default=300, help="base documents (1x; default 300)")
     ap.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16], help="scales (default 1 4 16)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per figure, the fastest counts (default 1)")
+    ap.add_argument("--stages", nargs="+", choices=[*STAGES, "mix"], default=[*STAGES, "mix"],
+                    help="the stages to measure (default all; mix needs tokenize)")
     ap.add_argument("--bare", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if "mix" in args.stages and "tokenize" not in args.stages:
+        ap.error("--stages: mix reads tokenize's store; add tokenize")
     if args.bare:
         print(json.dumps(bare(args.bare[0], Path(args.bare[1]), Path(args.bare[2]))))
         return
