@@ -138,12 +138,12 @@ def base_docs(n: int, work: Path) -> list[dict]:
 
 
 def _config(store: Path, shards: int, jsonl: str | None = None, steps: int | None = None,
-            domains: list[str] | None = None):
+            domains: list[str] | None = None, engine: str = "fast"):
     """The tiny preset with the Gopher filters only, GPT-2's tokenizer, `shards` shards; `jsonl`: its
     sources replaced by those files; `steps`: mix's budget over `domains` (one phase, no repetition cap)."""
     from moeflow import configs
 
-    only_gopher = {"steps": STEPS, "languages": None, "overrides": {}, "shards": None}
+    only_gopher = {"steps": STEPS, "languages": None, "overrides": {}, "shards": None, "engine": engine}
     more = {"sources": [{"name": "corpus", "path": jsonl, "format": "jsonl", "id_field": "id", "domain": "web",
                          "license": "cc0"}], "mix": {"weights": {"web": 1.0}, "phases": []}} if jsonl else {}
     if steps:
@@ -174,7 +174,8 @@ def part(spec: dict) -> dict:
     from moeflow.store.local import Manifest
     from moeflow.tasks.runner import materialize
 
-    cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"), spec.get("domains"))
+    cfg = _config(Path(spec["store"]), spec["shards"], spec.get("jsonl"), spec.get("steps"), spec.get("domains"),
+                  spec.get("engine", "fast"))
     inputs = {k: Manifest.read(Path(v)) for k, v in spec["inputs"].items()}
     prior = {k: [Manifest.read(Path(p)) for p in v] for k, v in spec["prior"].items()} if spec["prior"] else None
     t0 = time.perf_counter()
@@ -358,6 +359,10 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
                 print(f"{scale:>2}x dedup quality: {out['dedup_quality']}", flush=True)
             if stage == "tokenize" and workers == 1:
                 store_path = best["path"]
+            if stage == "filter" and workers == 1 and scale == args.scales[-1]:
+                out["filter_agreement"] = agreement(best["path"], run_stage(stage, store.root, scale, 1, inputs[stage],
+                                                                            engine="datatrove")["path"])
+                print(f"{scale:>2}x filter against the datatrove engine: {out['filter_agreement']}", flush=True)
     if "mix" in args.stages:
         out["mix"] = _mix(scale, store, store_path, tok.path, base, args)
     if scale in (args.scales[0], args.scales[-1]):
@@ -368,6 +373,18 @@ def measure_scale(scale: int, base: list[dict], work: Path, args) -> dict:
                 out["bare_dedup_quality"] = datatrove_quality(got["removed"], corpus["truth"])
             print(f"{scale:>2}x bare {kind:9s}: {out[f'bare_{kind}']}", flush=True)
     return out
+
+
+def agreement(fast: str, reference: str) -> dict:
+    """How often the fast engine's filter gave a document datatrove's own decision and reason; the documents
+    where it did not, with both verdicts."""
+    from moeflow.core.ledger import read
+
+    a, b = ({i: (f, r) for i, f, r in zip(*read(Path(x)).select(["id", "fate", "reason"]).to_pydict().values(),
+                                          strict=True)} for x in (fast, reference))
+    differ = sorted(i for i in b if a.get(i) != b[i])
+    return {"documents": len(b), "same": len(b) - len(differ), "ratio": round((len(b) - len(differ)) / len(b), 5),
+            "differ": [{"id": i, "fast": a.get(i), "datatrove": b[i]} for i in differ[:20]]}
 
 
 def _mix(scale: int, store, store_path: str, tok_path: str, base: list[dict], args) -> dict:
@@ -397,8 +414,11 @@ def summary(results: dict[int, dict], scales: list[int]) -> dict:
         fig[f"{stage}_throughput_ratio"] = round(top["docs_per_s_core"] / one["docs_per_s_core"], 3)
         fig[f"{stage}_two_workers_ratio"] = round(2 * hi[f"{stage}_w2"]["docs_per_s_core"] / top["docs_per_s_core"], 3)
         fig[f"{stage}_join_share"] = round(top["join_s"] / top["wall_s"], 3)
+        fig[f"{stage}_mb_per_s_core"] = round(hi["mb"] / top["wall_s"], 3)
         if f"bare_{stage}" in hi:
             fig[f"{stage}_vs_bare_ratio"] = round(top["docs_per_s_core"] / hi[f"bare_{stage}"]["docs_per_s_core"], 3)
+    if "filter_agreement" in hi:
+        fig["filter_decision_agreement"] = hi["filter_agreement"]["ratio"]
     if "mix" in hi:
         fig["mix_rss_ratio"] = round(hi["mix"]["rss_mb"] / lo["mix"]["rss_mb"], 3)
     fig.update({f"dedup_{k}": v for k, v in hi.get("dedup_quality", {}).items()})

@@ -118,6 +118,9 @@ class FilterConfig(Frozen):
     gopher_quality: dict[str, float | int | bool | None] = {}
     c4: dict[str, float | int | bool | None] = {}
     fineweb: dict[str, float | int | bool | None] = {}
+    # how those blocks split words: `fast` (one regular expression, filters/words.py) or `datatrove` (its own
+    # spaCy tokenizer: the reference the fast engine's decisions are measured against)
+    engine: Literal["fast", "datatrove"] = "fast"
     # per domain or per source name (a source's entry wins over its domain's): any of the fields above
     overrides: dict[str, dict] = {}
     # record shards the stage is split into (unset: `execution.shards`); the output is the same for any

