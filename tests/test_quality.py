@@ -194,3 +194,28 @@ def test_quality_runs_after_dedup_only_when_configured(tmp_path, positives):
     assert _planned(cfg)[:5] == ["sources", "ingest", "filter", "dedup", "benchmarks"]
     with_q = cfg.model_copy(update={"quality": QualityConfig(positives=positives)})
     assert _planned(with_q)[:7] == ["sources", "ingest", "filter", "dedup", "quality_model", "quality", "benchmarks"]
+
+
+def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path, positives):
+    from moeflow.lineage import keys
+    from moeflow.tasks.registry import STAGES
+    from moeflow.tasks.runner import key_parts
+
+    def parts(stage: str, q: QualityConfig) -> dict:
+        return key_parts(STAGES[stage], stage_config(tmp_path, quality=q), {"docs": "d", "model": "m"})
+
+    base = QualityConfig(positives=positives)
+    stricter = base.model_copy(update={"keep": KeepRule(top_fraction=0.5)})
+    assert parts("quality_model", stricter) == parts("quality_model", base)
+    assert "config keep.top_fraction: null -> 0.5" in keys.explain(parts("quality", base), parts("quality", stricter))
+    before = parts("quality_model", base)
+    (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and mtime
+    assert any(r.startswith("fetched local:reference.0.size:") for r in
+               keys.explain(before, parts("quality_model", base)))
+    model = tmp_path / "given.bin"
+    built = _run(tmp_path, base)["model"]
+    model.write_bytes((built.dir / "model.bin").read_bytes())
+    before = parts("quality_model", QualityConfig(model=str(model)))
+    model.write_bytes(model.read_bytes() + b"\0")
+    assert any(r.startswith("fetched file:quality.model.xxh3:") for r in
+               keys.explain(before, parts("quality_model", QualityConfig(model=str(model)))))
