@@ -487,6 +487,18 @@ def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
     assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
 
 
+def test_report_shows_quality_kept_per_domain_with_score_histograms(cold):
+    _, summary = cold
+    report = (Path(summary["card"]).parent / card.REPORT).read_text()
+    stats = json.loads((Path(summary["stages"]["quality"]["artifact"]) / "lineage.json").read_text())["stats"]
+    section = report.split("## Quality scores", 1)[1].split("\n## ", 1)[0]
+    for domain, d in stats["by_domain"].items():
+        assert f"| {domain} | {d['documents']} | {d['kept']} | " in section
+        assert " ".join(str(n) for n in d["histogram"]) in section
+    n = stats["by_domain"]["literature"]["documents"]
+    assert f"| literature | {n} | {n} | threshold 0.0 |" in section  # every play kept, by its override
+
+
 def _trained_by(summary: dict) -> str:
     """The flow run that built `summary`'s train artifact (a later run may have rebuilt it in place)."""
     train = Path(summary["stages"]["train"]["artifact"])
