@@ -490,12 +490,13 @@ def _card_commands(sub) -> None:
         "export",
         help="write the corpus a data stage kept as a Hugging Face dataset, with its dataset card",
         description="Write the documents the latest run of CONFIG kept at --stage (ingest, filter, dedup, "
-        "decontaminate) into OUT as a dataset `datasets.load_from_disk(OUT)` opens (columns id, text, "
+        "quality, decontaminate) into OUT as a dataset `datasets.load_from_disk(OUT)` opens (columns id, text, "
         "source, domain, license), with OUT/README.md: a dataset card generated from the lineage.",
     )
     x.add_argument("config", metavar="CONFIG")
     x.add_argument("out", metavar="OUT", help="a new folder")
-    x.add_argument("--stage", default="decontaminate", choices=["ingest", "filter", "dedup", "decontaminate"])
+    x.add_argument("--stage", default="decontaminate",
+                   choices=["ingest", "filter", "dedup", "quality", "decontaminate"])
     x.set_defaults(fn=_export)
 
 

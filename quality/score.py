@@ -5,7 +5,8 @@
 say) the last document kept, ranking by score, then id; and a domain the rules would empty fails here,
 before any document is written. `keep` (record shards): documents at or above their rule stay; the rest are
 `dropped` with reason `quality.below_threshold` and the score in the detail (every ledger row carries its
-score). `merge` joins the shards in rank order, so the output is the same for any shard count.
+score). `merge` joins the shards in rank order, so the output is the same for any shard count, and records
+per domain the five documents kept with the lowest scores and the five dropped with the highest (review).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 from moeflow.configs import QualityConfig
 from moeflow.core.documents import DocWriter, iter_docs, join
 from moeflow.core.ledger import Ledger
+from moeflow.core.ledger import read as read_ledger
 from moeflow.core.progress import tqdm
 from moeflow.quality.classifier import MODEL, QualityError, hq_label, line, load, scores
 
@@ -143,5 +145,22 @@ def merge(cfg: QualityConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     table = pa.concat_tables([pq.read_table(p / SCORES) for p in prior["score"]]).combine_chunks()
     pq.write_table(table, out / SCORES, row_group_size=ROWS_PER_GROUP, compression="zstd")
     cuts = json.loads((prior["cutoffs"][0] / CUTOFFS).read_text())
-    return {**join(parts, out, "quality"), "by_domain": dict(sorted(by_domain.items())), "cutoffs": cuts,
-            "shards": len(parts)}
+    joined = join(parts, out, "quality")
+    for domain, examples in borderline(table, read_ledger(out).column("fate").to_pylist()).items():
+        by_domain[domain]["borderline"] = examples
+    return {**joined, "by_domain": dict(sorted(by_domain.items())), "cutoffs": cuts, "shards": len(parts)}
+
+
+def borderline(scores: pa.Table, fates: list[str], n: int = 5) -> dict[str, dict]:
+    """Per domain, for review: the `n` kept documents scoring lowest and the `n` dropped scoring highest,
+    [id, score] from the line outward (ties by id)."""
+    out: dict[str, dict] = {}
+    rows = zip(scores.column("id").to_pylist(), scores.column("domain").to_pylist(),
+               scores.column("score").to_pylist(), fates, strict=True)
+    for doc_id, domain, score, fate in rows:
+        side = out.setdefault(domain, {"above": [], "below": []})["above" if fate == "kept" else "below"]
+        side.append([doc_id, score])
+    for sides in out.values():
+        sides["above"] = sorted(sides["above"], key=lambda r: (r[1], r[0]))[:n]
+        sides["below"] = sorted(sides["below"], key=lambda r: (-r[1], r[0]))[:n]
+    return out

@@ -497,6 +497,9 @@ def test_report_shows_quality_kept_per_domain_with_score_histograms(cold):
         assert " ".join(str(n) for n in d["histogram"]) in section
     n = stats["by_domain"]["literature"]["documents"]
     assert f"| literature | {n} | {n} | threshold 0.0 |" in section  # every play kept, by its override
+    row = f"| quality | {stats['documents_in']} | {stats['documents_out']} |"
+    assert row in Path(summary["card"]).read_text()  # the model card's data stages
+    assert row in (Path(summary["card"]).parent / "dataset_card.md").read_text()
 
 
 def _trained_by(summary: dict) -> str:

@@ -55,6 +55,10 @@ def _corpus(folder: Path, n_good: int = 30, n_junk: int = 12) -> Path:
     return folder
 
 
+def _ids(corpus: Path, domain: str) -> set[str]:
+    return {d["id"] for d in iter_docs(corpus) if d["domain"] == domain}
+
+
 def _run(tmp_path: Path, q: QualityConfig, shards: int = 1, corpus: Path | None = None) -> dict:
     """quality_model then quality, in a fresh store: their manifests."""
     out = tmp_path / f"out{shards}-{random.random()}"
@@ -107,6 +111,10 @@ def test_output_is_the_same_bytes_for_any_shard_count(tmp_path, positives):
     forum = one.stats["by_domain"]["forum"]
     assert forum["kept"] == math.ceil(0.7 * forum["documents"])  # exactly the top fraction, ties by id
     assert sum(forum["histogram"]) == forum["documents"]
+    scores = {r["doc_id"]: (r["fate"], json.loads(r["detail"])["score"]) for r in read_ledger(one.dir).to_pylist()}
+    kept = sorted((s, i) for i, (f, s) in scores.items() if f == "kept" and i in _ids(corpus, "forum"))
+    dropped = sorted(((-s, i) for i, (f, s) in scores.items() if f == "dropped" and i in _ids(corpus, "forum")))
+    assert forum["borderline"] == {"above": [[i, s] for s, i in kept[:5]], "below": [[i, -s] for s, i in dropped[:5]]}
 
 
 def test_a_trained_model_has_the_same_bytes_for_a_seed(tmp_path, positives):
