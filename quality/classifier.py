@@ -1,0 +1,210 @@
+"""The `quality_model` stage: a fastText quality classifier, trained or given, and how well it separates.
+
+Trained, it follows DCLM's recipe: documents of `quality.positives` (label `__label__hq`) against a seeded
+sample of the deduplicated corpus (`__label__cc`), with a seeded held-out share of each class. fastText
+trains on one thread with the seed, so the model's bytes are the same for a seed. Given (`quality.model`),
+the file is used as is. Either way the artifact holds `model.bin` and, when positives are declared, the
+model's held-out precision, recall and ROC AUC (else "not measured").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from moeflow.configs import PositiveSource, RunConfig
+from moeflow.core.documents import count_docs, iter_docs
+from moeflow.ingest import resolve_sources_list
+from moeflow.ingest.reader import records
+from moeflow.ingest.sources_stage import identities
+from moeflow.sources import fetch
+from moeflow.sources.stage import file_identity
+
+HQ, CC = "__label__hq", "__label__cc"
+MIN_POSITIVES = 20  # a fifth held out leaves 4 to measure on and 16 to learn from: below that, no model
+MODEL = "model.bin"
+
+
+class QualityError(ValueError):
+    """The quality section cannot work as configured; the message names the field and the fix."""
+
+
+def line(text: str, max_chars: int) -> str:
+    """What the classifier reads of a document: its first `max_chars` characters on one line."""
+    return " ".join(text[:max_chars].split())
+
+
+@functools.cache
+def load(path: str):
+    import fasttext  # its C++ extension loads only in the processes that score or train
+
+    return fasttext.load_model(path)
+
+
+def hq_label(model, label: str | None) -> str:
+    """The label of `model` that marks high quality (`quality.label`, or `__label__hq` when it has it)."""
+    labels = list(model.labels)
+    if len(labels) < 2:
+        raise QualityError(f"quality.model has one label {labels}: a quality classifier needs two or more "
+                           "(high quality and the rest); give a supervised fastText classifier")
+    if label is None:
+        if HQ in labels:
+            return HQ
+        raise QualityError(f"quality.model's labels {labels} include no {HQ}: set quality.label to the one "
+                           "that marks high-quality text")
+    for name in (label, f"__label__{label}"):
+        if name in labels:
+            return name
+    raise QualityError(f"quality.label {label!r} is not a label of quality.model (its labels: {labels}): set "
+                       "quality.label to one of them")
+
+
+def scores(model, label: str, lines: list[str]) -> np.ndarray:
+    """P(`label`) for each line, rounded to 6 places (what the ledger shows and the keep rule compares)."""
+    if not lines:
+        return np.empty(0)
+    labels, probs = model.predict(lines, k=-1)
+    out = [dict(zip(ls, ps, strict=True)).get(label, 0.0) for ls, ps in zip(labels, probs, strict=True)]
+    return np.round(np.clip(np.asarray(out, dtype=np.float64), 0.0, 1.0), 6)
+
+
+def read_positives(positives: tuple[PositiveSource, ...]) -> list[str]:
+    """The texts of the positives' documents (quarantined and empty ones left out); fails below the minimum."""
+    texts = [text for rs in resolve_sources_list(positives) for _, _, text, q in records(rs)
+             if q is None and text.strip()]
+    if len(texts) < MIN_POSITIVES:
+        names = ", ".join(p.name for p in positives)
+        raise QualityError(
+            f"quality.positives ({names}) hold {len(texts)} usable documents; training the classifier needs at "
+            f"least {MIN_POSITIVES} (a fifth is held out to measure it): add sources or widen their `path`")
+    return texts
+
+
+def sample_corpus(docs_dir: Path, n: int, seed: int) -> list[str]:
+    """A seeded sample of `n` documents of the corpus (all of them when it holds fewer), in stored order."""
+    total = count_docs(docs_dir)
+    chosen = set(np.random.default_rng(seed).choice(total, size=min(n, total), replace=False).tolist())
+    return [row["text"] for i, row in enumerate(iter_docs(docs_dir, columns=["text"])) if i in chosen]
+
+
+def split(texts: list[str], fraction: float, rng: np.random.Generator) -> tuple[list[str], list[str]]:
+    """(train, held out): a seeded `fraction` of `texts`, at least one, held out."""
+    order = rng.permutation(len(texts))
+    cut = max(1, math.ceil(fraction * len(texts)))
+    return [texts[i] for i in order[cut:]], [texts[i] for i in order[:cut]]
+
+
+def roc_auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """The probability that a positive outscores a negative (ties count half): Mann-Whitney's U over |P||N|."""
+    both = np.concatenate([pos, neg])
+    order = both.argsort(kind="stable")
+    ranks = np.empty(len(both))
+    ranks[order] = np.arange(1, len(both) + 1)
+    for value in np.unique(both):  # ties share their mean rank
+        same = both == value
+        ranks[same] = ranks[same].mean()
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def measure(model, label: str, pos: list[str], neg: list[str], max_chars: int) -> dict:
+    """Held-out precision and recall at 0.5, and ROC AUC, of `model` on positives `pos` and negatives `neg`."""
+    p = scores(model, label, [line(t, max_chars) for t in pos])
+    n = scores(model, label, [line(t, max_chars) for t in neg])
+    tp, fp = int((p >= 0.5).sum()), int((n >= 0.5).sum())
+    return {"positives": len(p), "negatives": len(n), "precision": round(tp / (tp + fp), 4) if tp + fp else 0.0,
+            "recall": round(tp / len(p), 4), "roc_auc": round(roc_auc(p, n), 4), "at": 0.5}
+
+
+# fastText is trained in a child process of its own: its training reads heap memory it never wrote (seen:
+# a second training in one process gives other bytes, and a third "Encountered NaN"; MALLOC_PERTURB_
+# changes the model). A fresh process with allocations of 64 KiB and up mapped fresh (zeroed) gives the
+# same bytes every time; tests/test_quality.py checks it.
+FIT = ("import json, sys, fasttext\n"
+       "a = json.loads(sys.argv[1])\n"
+       "fasttext.train_supervised(**a['args']).save_model(a['out'])\n")
+
+
+def train(texts: list[tuple[str, str]], cfg, out: Path) -> None:
+    """Train fastText on (label, text) pairs with one thread and the seed: the same bytes for a seed."""
+    t = cfg["train"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.txt"
+        path.write_text("".join(f"{label} {line(text, t.max_chars)}\n" for label, text in texts))
+        args = {"input": str(path), "epoch": t.epoch, "lr": t.lr, "dim": t.dim, "wordNgrams": t.word_ngrams,
+                "minCount": t.min_count, "bucket": t.bucket, "seed": t.seed, "thread": 1, "verbose": 0}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | \
+            {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        done = subprocess.run([sys.executable, "-c", FIT, json.dumps({"args": args, "out": str(out / MODEL)})],
+                              env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise QualityError(f"fastText failed to train the quality classifier: {done.stderr.strip()[-500:]}; "
+                           "try a lower quality.train.lr")
+
+
+def stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `quality_model` body: train (or copy the given model), then measure it on the held-out split."""
+    t = s["train"]
+    rng = np.random.default_rng(t.seed)
+    held: tuple[list[str], list[str]] | None = None
+    stats: dict = {"source": "given" if s["model"] else "trained", "heldout": "not measured"}
+    if s["positives"]:
+        pos = read_positives(s["positives"])
+        neg = sample_corpus(inputs["docs"].dir, math.ceil(len(pos) * t.negatives_per_positive), t.seed)
+        (pos_train, pos_held), (neg_train, neg_held) = split(pos, t.heldout_fraction, rng), \
+            split(neg, t.heldout_fraction, rng)
+        held = (pos_held, neg_held)
+        stats["positives"] = {"documents": len(pos), "sources": [p.name for p in s["positives"]],
+                              "train": len(pos_train), "heldout": len(pos_held)}
+        stats["negatives"] = {"documents": len(neg), "train": len(neg_train), "heldout": len(neg_held)}
+    if s["model"]:
+        shutil.copyfile(Path(s["model"]).expanduser(), out / MODEL)
+    else:
+        pairs = [(HQ, x) for x in pos_train] + [(CC, x) for x in neg_train]
+        train([pairs[i] for i in rng.permutation(len(pairs))], s, out)
+    model = load(str(out / MODEL))
+    label = hq_label(model, s["label"])
+    load.cache_clear()  # the staging folder is renamed when it commits
+    stats.update(label=label, labels=list(model.labels))
+    if held:
+        stats["heldout"] = measure(model, label, *held, t.max_chars)
+    (out / "metrics.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+    return stats
+
+
+def config(c: RunConfig) -> dict:
+    """`quality_model`'s slice: what shapes the model (the keep rule does not: changing it reuses the model)."""
+    q = c.quality
+    return {"positives": q.positives, "model": q.model, "label": q.label, "train": q.train}
+
+
+def fetched(s: dict) -> dict:
+    """The positives' packages and files, and the given model file by its bytes."""
+    out = identities([p.package for p in s["positives"] if p.package], tuple(s["positives"]))
+    return out | ({"file:quality.model": file_identity(s["model"])} if s["model"] else {})
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Before any work: the given model's labels, and the positives already on this machine (a package not
+    fetched yet is counted when the stage runs: `sources` fetches it)."""
+    q = cfg.quality
+    if q is None:
+        return
+    if q.model is not None:
+        try:
+            hq_label(load(str(Path(q.model).expanduser())), q.label)
+        except ValueError as e:
+            if isinstance(e, QualityError):
+                raise
+            raise QualityError(f"quality.model {q.model!r}: fastText cannot read it ({e}); give a .bin written "
+                               "by fastText's save_model") from None
+    if q.positives and all(fetch.read_receipt(p.package) for p in q.positives if p.package):
+        read_positives(q.positives)

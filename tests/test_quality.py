@@ -1,0 +1,229 @@
+"""The quality classifier and the quality stage: planted junk is dropped with its score, conservation, the same
+bytes for any shard count, a deterministic model for a seed, a given model used as is, bad input named."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers import _fresh_store, docs_artifact, stage_config
+from moeflow import configs, quality
+from moeflow.configs import ConfigError, KeepRule, QualityConfig
+from moeflow.core.documents import DocWriter, iter_docs
+from moeflow.core.ledger import read as read_ledger
+from moeflow.tasks.runner import materialize
+
+WORDS = ("river harbour bridge committee morning winter school roof grain market village council teacher "
+         "garden library museum letter journey mountain forest valley history science music painter").split()
+SPAM = "buy cheap pills now click here free casino bonus win money fast best price discount offer".split()
+
+
+def _prose(rng: random.Random, sentences: int = 12) -> str:
+    out = []
+    for _ in range(sentences):
+        a, b, c = rng.sample(WORDS, 3)
+        out.append(f"The {a} near the {b} was described in a long letter about the {c}, and everyone "
+                   f"agreed that it had changed since the old days.")
+    return " ".join(out)
+
+
+def _spam(rng: random.Random) -> str:
+    return " ".join(rng.choice(SPAM) for _ in range(150))
+
+
+def _positives(folder: Path, n: int, seed: int = 1) -> configs.PositiveSource:
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (folder / f"pos{i:03d}.txt").write_text(_prose(rng))
+    return configs.PositiveSource(name="reference", path=str(folder / "*.txt"))
+
+
+def _corpus(folder: Path, n_good: int = 30, n_junk: int = 12) -> Path:
+    """Prose and spam in two domains, spam at every fourth row or so (ids say which)."""
+    rng = random.Random(7)
+    folder.mkdir(parents=True)
+    rows = [(f"good{i:03d}", _prose(rng)) for i in range(n_good)]
+    rows += [(f"junk{i:03d}", _spam(rng)) for i in range(n_junk)]
+    random.Random(3).shuffle(rows)
+    with DocWriter(folder) as w:
+        for i, (doc_id, text) in enumerate(rows):
+            domain = "news" if i % 2 else "forum"
+            w.write({"id": doc_id, "source": f"{domain}-src", "domain": domain, "path": "p", "text": text})
+    return folder
+
+
+def _ids(corpus: Path, domain: str) -> set[str]:
+    return {d["id"] for d in iter_docs(corpus) if d["domain"] == domain}
+
+
+def _run(tmp_path: Path, q: QualityConfig, shards: int = 1, corpus: Path | None = None) -> dict:
+    """quality_model then quality, in a fresh store: their manifests."""
+    out = tmp_path / f"out{shards}-{random.random()}"
+    store = _fresh_store(out)
+    cfg = stage_config(store, shards, quality=q)
+    docs = docs_artifact(store, corpus or _corpus(tmp_path / f"corpus-{out.name}"))
+    model = materialize("quality_model", cfg, {"docs": docs})
+    return {"model": model, "quality": materialize("quality", cfg, {"docs": docs, "model": model})}
+
+
+@pytest.fixture
+def positives(tmp_path):
+    return (_positives(tmp_path / "pos", 30),)
+
+
+def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5)))
+    stats = built["quality"].stats
+    assert stats["documents_in"] == 42 and sum(stats["fates"][f] for f in ("kept", "dropped")) == 42
+    rows = read_ledger(built["quality"].dir).to_pylist()
+    dropped = {r["doc_id"]: r for r in rows if r["fate"] == "dropped"}
+    assert set(dropped) == {f"junk{i:03d}" for i in range(12)}
+    for r in dropped.values():
+        assert r["reason"] == "quality.below_threshold"
+        detail = json.loads(r["detail"])
+        assert detail["score"] < 0.5 and detail["threshold"] == 0.5
+    assert all(json.loads(r["detail"])["score"] >= 0.5 for r in rows if r["fate"] == "kept")
+    assert [d["id"] for d in iter_docs(built["quality"].dir)] == [r["doc_id"] for r in rows if r["fate"] == "kept"]
+    held = built["model"].stats["heldout"]  # negatives are the corpus, prose and spam alike (DCLM's recipe)
+    assert held["positives"] == 6 and held["negatives"] == 6 and 0 <= held["roc_auc"] <= 1
+
+
+def test_roc_auc_counts_pairs_ordered_and_ties_half():
+    import numpy as np
+
+    from moeflow.quality.classifier import roc_auc
+
+    assert roc_auc(np.array([0.9, 0.8]), np.array([0.1, 0.2])) == 1.0
+    assert roc_auc(np.array([0.1]), np.array([0.9, 0.8])) == 0.0
+    assert roc_auc(np.array([0.5, 0.9]), np.array([0.5, 0.1])) == 0.875  # 3 pairs won, 1 tied, of 4
+
+
+def test_output_is_the_same_bytes_for_any_shard_count(tmp_path, positives):
+    q = QualityConfig(positives=positives, keep=KeepRule(top_fraction=0.7), overrides={"news": KeepRule(threshold=0.3)})
+    corpus = _corpus(tmp_path / "corpus")
+    one, three = _run(tmp_path, q, 1, corpus)["quality"], _run(tmp_path, q, 3, corpus)["quality"]
+    for name in ("docs.parquet", "ledger.parquet", "scores.parquet"):
+        assert (one.dir / name).read_bytes() == (three.dir / name).read_bytes(), name
+    assert one.stats["fates"] == three.stats["fates"] and three.stats["shards"] == 3
+    forum = one.stats["by_domain"]["forum"]
+    assert forum["kept"] == math.ceil(0.7 * forum["documents"])  # exactly the top fraction, ties by id
+    assert sum(forum["histogram"]) == forum["documents"]
+    scores = {r["doc_id"]: (r["fate"], json.loads(r["detail"])["score"]) for r in read_ledger(one.dir).to_pylist()}
+    kept = sorted((s, i) for i, (f, s) in scores.items() if f == "kept" and i in _ids(corpus, "forum"))
+    dropped = sorted(((-s, i) for i, (f, s) in scores.items() if f == "dropped" and i in _ids(corpus, "forum")))
+    assert forum["borderline"] == {"above": [[i, s] for s, i in kept[:5]], "below": [[i, -s] for s, i in dropped[:5]]}
+
+
+def test_a_trained_model_has_the_same_bytes_for_a_seed(tmp_path, positives):
+    corpus = _corpus(tmp_path / "corpus")
+    q = QualityConfig(positives=positives)
+    a, b = (_run(tmp_path, q, 1, corpus)["model"] for _ in range(2))
+    assert a.dir != b.dir and (a.dir / "model.bin").read_bytes() == (b.dir / "model.bin").read_bytes()
+    other = _run(tmp_path, q.model_copy(update={"train": configs.ClassifierTrain(seed=9)}), 1, corpus)["model"]
+    assert (other.dir / "model.bin").read_bytes() != (a.dir / "model.bin").read_bytes()
+
+
+def test_a_given_model_is_used_as_is(tmp_path, positives):
+    trained = _run(tmp_path, QualityConfig(positives=positives))["model"]
+    given = tmp_path / "mine.bin"
+    given.write_bytes((trained.dir / "model.bin").read_bytes())
+    built = _run(tmp_path, QualityConfig(model=str(given)))
+    assert (built["model"].dir / "model.bin").read_bytes() == given.read_bytes()
+    assert built["model"].stats["heldout"] == "not measured" and built["model"].stats["source"] == "given"
+    assert built["quality"].stats["fates"]["dropped"] == 12
+
+
+def test_too_few_positives_is_named_with_the_minimum(tmp_path):
+    q = QualityConfig(positives=(_positives(tmp_path / "pos", 5),))
+    cfg = stage_config(tmp_path / "store", quality=q)
+    with pytest.raises(quality.QualityError, match=r"hold 5 usable documents; .*at least 20"):
+        quality.preflight(cfg)
+
+
+def test_a_model_file_that_is_not_fasttext_is_refused_on_load(tmp_path):
+    bad = tmp_path / "model.bin"
+    bad.write_bytes(b"PK\x03\x04 a zip, not a classifier")
+    with pytest.raises(ConfigError, match=r"field 'quality': .*quality.model '.*' is not a fastText model"):
+        configs.load(_with_quality(tmp_path, {"model": str(bad)}))
+
+
+def test_a_label_set_the_stage_cannot_interpret_is_named(tmp_path):
+    import fasttext
+
+    data = tmp_path / "t.txt"
+    data.write_text("".join(f"__label__{'a' if i % 2 else 'b'} {'good' if i % 2 else 'bad'} text number {i}\n"
+                            for i in range(200)))
+    path = tmp_path / "ab.bin"
+    fasttext.train_supervised(str(data), thread=1, seed=1, verbose=0).save_model(str(path))
+    cfg = stage_config(tmp_path / "store", quality=QualityConfig(model=str(path)))
+    with pytest.raises(quality.QualityError, match=r"labels \['__label__\w', '__label__\w'\] include no __label__hq: "
+                       r"set quality.label"):
+        quality.preflight(cfg)
+    wrong = stage_config(tmp_path / "store", quality=QualityConfig(model=str(path), label="good"))
+    with pytest.raises(quality.QualityError, match=r"quality.label 'good' is not a label"):
+        quality.preflight(wrong)
+    quality.preflight(stage_config(tmp_path / "store", quality=QualityConfig(model=str(path), label="a")))
+
+
+def test_a_rule_that_empties_a_domain_fails_naming_it(tmp_path, positives):
+    q = QualityConfig(positives=positives, overrides={"forum": KeepRule(threshold=1.0)})
+    with pytest.raises(quality.QualityError, match=r"every document of domain\(s\) \['forum'\].*quality.overrides"):
+        _run(tmp_path, q)
+
+
+def _with_quality(tmp_path: Path, section: dict) -> Path:
+    import yaml
+
+    data = yaml.safe_load(configs.resolve("smoke").read_text())
+    data["quality"] = section
+    path = tmp_path / "with-quality.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _planned(cfg: configs.RunConfig) -> list[str]:
+    from moeflow.flows.pretrain import dag
+
+    planned = []
+
+    def plan(stage, **inputs):
+        planned.append(stage.name)
+        return "x"
+
+    dag(plan, cfg)
+    return planned
+
+
+def test_quality_runs_after_dedup_only_when_configured(tmp_path, positives):
+    cfg = configs.load("smoke").model_copy(update={"quality": None})
+    assert _planned(cfg)[:5] == ["sources", "ingest", "filter", "dedup", "benchmarks"]
+    with_q = cfg.model_copy(update={"quality": QualityConfig(positives=positives)})
+    assert _planned(with_q)[:7] == ["sources", "ingest", "filter", "dedup", "quality_model", "quality", "benchmarks"]
+
+
+def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path, positives):
+    from moeflow.lineage import keys
+    from moeflow.tasks.registry import STAGES
+    from moeflow.tasks.runner import key_parts
+
+    def parts(stage: str, q: QualityConfig) -> dict:
+        return key_parts(STAGES[stage], stage_config(tmp_path, quality=q), {"docs": "d", "model": "m"})
+
+    base = QualityConfig(positives=positives)
+    stricter = base.model_copy(update={"keep": KeepRule(top_fraction=0.5)})
+    assert parts("quality_model", stricter) == parts("quality_model", base)
+    assert "config keep.top_fraction: null -> 0.5" in keys.explain(parts("quality", base), parts("quality", stricter))
+    before = parts("quality_model", base)
+    (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and mtime
+    assert any(r.startswith("fetched local:reference.0.size:") for r in
+               keys.explain(before, parts("quality_model", base)))
+    model = tmp_path / "given.bin"
+    built = _run(tmp_path, base)["model"]
+    model.write_bytes((built.dir / "model.bin").read_bytes())
+    before = parts("quality_model", QualityConfig(model=str(model)))
+    model.write_bytes(model.read_bytes() + b"\0")
+    assert any(r.startswith("fetched file:quality.model.xxh3:") for r in
+               keys.explain(before, parts("quality_model", QualityConfig(model=str(model)))))
