@@ -380,7 +380,7 @@ def agreement(fast: str, reference: str) -> dict:
     where it did not, with both verdicts."""
     from moeflow.core.ledger import read
 
-    a, b = ({i: (f, r) for i, f, r in zip(*read(Path(x)).select(["id", "fate", "reason"]).to_pydict().values(),
+    a, b = ({i: (f, r) for i, f, r in zip(*read(Path(x)).select(["doc_id", "fate", "reason"]).to_pydict().values(),
                                           strict=True)} for x in (fast, reference))
     differ = sorted(i for i in b if a.get(i) != b[i])
     return {"documents": len(b), "same": len(b) - len(differ), "ratio": round((len(b) - len(differ)) / len(b), 5),
