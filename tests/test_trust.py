@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 
 from helpers import write_config
+from moeflow.configs.quality import FASTTEXT_MAGIC
 from moeflow.flows.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_SUFFIXES = {".parquet", ".arrow", ".json", ".jsonl", ".npz", ".safetensors", ".png", ".svg", ".md",
-                 ".html", ".lock"}
+                 ".html", ".lock", ".bin"}  # .bin: a fastText model, read by fastText's own C++ loader (no pickle)
 FAKE_SECRETS = ("AWS_SECRET_ACCESS_KEY", "MOEFLOW_TEST_API_TOKEN")  # set in conftest before any run
 
 
@@ -66,6 +67,8 @@ def test_every_file_a_run_writes_to_the_store_is_data(smoke_run):
         tensorboard = path.name.startswith("events.out.tfevents.")
         assert path.suffix in DATA_SUFFIXES or tensorboard, path
         assert path.read_bytes()[:2] not in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05"), path
+        if path.suffix == ".bin":  # a fastText model, nothing else
+            assert path.read_bytes()[:4] == FASTTEXT_MAGIC, path
         if path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as npz:
                 assert all(npz[k].dtype != object for k in npz.files), path
