@@ -14,11 +14,12 @@ from helpers import manifest_of, write_config
 from moeflow.moe.launch import free_port
 from moeflow.store.local import Manifest
 
-WHOLE = ("sources", "ingest", "filter", "dedup", "benchmarks", "decontaminate", "tokenizer", "tokenize",
-         "overlap", "mix")
+WHOLE = ("sources", "ingest", "filter", "dedup", "quality_model", "quality", "benchmarks", "decontaminate",
+         "tokenizer", "tokenize", "overlap", "mix")
 # the sharded stages' phases and their part counts with `execution.shards: 2` and `dedup.partitions: 2`
 PHASES = {"ingest": {"shard": 2}, "filter": {"shard": 2},
           "dedup": {"sign": 2, "pairs": 2, "clusters": 1, "shard": 2},
+          "quality": {"score": 2, "cutoffs": 1, "keep": 2},
           "decontaminate": {"shard": 2}, "tokenize": {"encode": 2}, "overlap": {"shard": 2}}
 PARTS = tuple(f"{stage}{'' if phase == 'shard' else '.' + phase}[{r}/{n}]"
               for stage, phases in PHASES.items() for phase, n in phases.items() for r in range(n))
