@@ -133,6 +133,13 @@ FIT = ("import json, sys, fasttext\n"
        "fasttext.train_supervised(**a['args']).save_model(a['out'])\n")
 
 
+def fit(args: dict, model: Path) -> subprocess.CompletedProcess:
+    """`fasttext.train_supervised(**args)` saved to `model`, in a child process of its own (see FIT)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    return subprocess.run([sys.executable, "-c", FIT, json.dumps({"args": args, "out": str(model)})],
+                          env=env, capture_output=True, text=True)
+
+
 def train(texts: list[tuple[str, str]], cfg, out: Path) -> None:
     """Train fastText on (label, text) pairs with one thread and the seed: the same bytes for a seed."""
     t = cfg["train"]
@@ -141,10 +148,7 @@ def train(texts: list[tuple[str, str]], cfg, out: Path) -> None:
         path.write_text("".join(f"{label} {line(text, t.max_chars)}\n" for label, text in texts))
         args = {"input": str(path), "epoch": t.epoch, "lr": t.lr, "dim": t.dim, "wordNgrams": t.word_ngrams,
                 "minCount": t.min_count, "bucket": t.bucket, "seed": t.seed, "thread": 1, "verbose": 0}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | \
-            {"MALLOC_MMAP_THRESHOLD_": "65536"}
-        done = subprocess.run([sys.executable, "-c", FIT, json.dumps({"args": args, "out": str(out / MODEL)})],
-                              env=env, capture_output=True, text=True)
+        done = fit(args, out / MODEL)
     if done.returncode:
         raise QualityError(f"fastText failed to train the quality classifier: {done.stderr.strip()[-500:]}; "
                            "try a lower quality.train.lr")
