@@ -146,7 +146,7 @@ def scaling_benchmark(dev: str, small: bool) -> dict:
     sizes = ["1024", "--repeats", "1"] if small else ["16384", "65536", "--repeats", "3"]
     bench = ROOT / "benchmarks" / "moe_scaling.py"
     cmd = [sys.executable, str(bench), "--device", dev, "--precision", "bf16", "--tokens", *sizes]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True)  # the tier's time box bounds it
     if proc.returncode:
         raise RuntimeError(proc.stderr[-1500:])
     return json.loads(proc.stdout.splitlines()[-1])
