@@ -1,8 +1,10 @@
-"""The model card's training figures beyond the plan: hardware, health, the scaling ladder, per-rank load."""
+"""The model card's training figures beyond the plan: hardware, health, the mixture search, the scaling ladder,
+per-rank load."""
 
 from __future__ import annotations
 
 from moeflow.card.sections import table
+from moeflow.configs import MixSearchConfig
 
 
 def hardware(train: dict) -> str:
@@ -71,6 +73,34 @@ def ladder(lad: dict, ts: dict) -> dict:
         "rungs_table": table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss"],
                              rungs),
         "prediction_table": table(["", "final loss (mean of the last tenth of steps)"], prediction),
+    }
+
+
+def mix_search(ms: dict, ev: dict) -> dict:
+    """The mixture search's proxies, fit and chosen weights (all from its lineage), and the objective the target
+    reached on its own held-out losses."""
+    p = ms["stats"]
+    domains = sorted(p["declared"])
+    proxies = [[r["proxy"], *(f"{r['weights'][d]:.3f}" for d in domains), r["steps"], f"{r['flops']:.3g}",
+                f"{r['objective']:.4f}", f"{loo:.4f}"] for r, loo in zip(p["proxies"], p["loo_predicted"])]
+    weights = [[d, f"{p['declared'][d]:.3f}", f"{p['weights'][d]:.3f}", f"{p['epochs'].get(d, 0):.2f}"]
+               for d in domains]
+    actual = MixSearchConfig(objective=p["objective"]).reduce(
+        {d: r["loss"] for d, r in ev["stats"]["heldout"].items()})
+    return {
+        "proxies": len(p["proxies"]),
+        "fraction": f"{p['proxy_fraction']:.1%}",
+        "rho": f"{p['loo_rank_correlation']:.3f}",
+        "objective": "held-out loss averaged over domains" if p["objective"] == "heldout"
+        else "held-out loss weighted " + ", ".join(f"{d} {w:g}" for d, w in p["objective"].items()),
+        "artifact": f"mix_search-{ms['artifact']['hash']}",
+        "registered_at": p["registered_at"],
+        "proxies_table": table(["proxy", *(f"w {d}" for d in domains), "steps", "FLOPs", "objective",
+                                "predicted without it"], proxies),
+        "weights_table": table(["domain", "declared", "chosen", "target epochs (estimated)"], weights),
+        "objective_table": table(["", "objective"], [
+            ["predicted for the chosen mix (at the proxies' scale)", f"{p['predicted_objective']:.4f}"],
+            ["the target reached (its evaluate stage)", f"{actual:.4f}"]]),
     }
 
 

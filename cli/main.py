@@ -25,7 +25,7 @@ from moeflow.core.paths import PACKAGE_ROOT
 # too long for `--help` (tests/test_layout.py keeps the two equal)
 STAGE_HELP = (
     "sources, ingest, filter, dedup, quality_model, quality, benchmarks, decontaminate, overlap, tokenizer, "
-    "tokenize, mix, rung_mix, rung, ladder, train, evaluate, card"
+    "tokenize, proxy_mix, proxy, mix_search, mix, rung_mix, rung, ladder, train, evaluate, card"
 )
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from moeflow.configs.base import Frozen, operational
+from moeflow.configs.base import ConfigError, Frozen, operational
 
 
 class Format(str, Enum):
@@ -212,6 +212,16 @@ class TokenizerConfig(Frozen):
         return self
 
 
+def tilt(weights: dict[str, float], declared: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+    """A phase's `weights` moved as the run's weights move from `declared` to `new`: each domain scaled by
+    new / declared (both normalised), then normalised again."""
+    d_total, n_total = sum(declared.values()), sum(new.values())
+    out = {d: w * (new.get(d, 0.0) / n_total) / (declared[d] / d_total) if declared.get(d) else w
+           for d, w in weights.items()}
+    total = sum(out.values())
+    return {d: w / total for d, w in out.items()} if total > 0 else dict(weights)
+
+
 def _check_weights(v: dict[str, float]) -> dict[str, float]:
     if any(w < 0 for w in v.values()):
         raise ValueError("weights must be >= 0")
@@ -272,6 +282,36 @@ class HeldoutConfig(Frozen):
         return v
 
 
+class MixSearchConfig(Frozen):
+    """Proxy runs on mixes drawn around the declared weights, a regression from weights to the objective, and
+    the mix it predicts best (`moe/mix_search.py`)."""
+
+    proxies: int = Field(default=8, ge=4)  # proxy models, each on its own mix (the first: the declared one)
+    width: int = Field(default=32, gt=0)  # their d_model (a multiple of the target's head width)
+    layers: int = Field(default=1, gt=0)
+    budget_fraction: float = Field(default=0.2, gt=0, le=0.25)  # all proxies' FLOPs / the target's
+    min_steps: int = Field(default=10, ge=2)
+    # Dirichlet concentration around the declared weights: alpha_d = concentration * w_d (higher: closer)
+    concentration: float = Field(default=8.0, gt=0)
+    # "heldout": the held-out loss averaged over domains; or domain -> weight of its held-out loss
+    objective: Literal["heldout"] | dict[str, float] = "heldout"
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v):
+        return v if isinstance(v, str) else _check_weights(v)
+
+    def reduce(self, losses: dict[str, float]) -> float:
+        """Held-out losses per domain to the objective: their mean over domains, or the declared weighted mean."""
+        if isinstance(self.objective, str):
+            return sum(losses.values()) / len(losses)
+        missing = sorted(set(self.objective) - set(losses))
+        if missing:
+            raise ConfigError(f"mix.search.objective weighs domains {missing} that have no held-out rows; "
+                              f"held-out domains: {sorted(losses)}")
+        return sum(w * losses[d] for d, w in self.objective.items()) / sum(self.objective.values())
+
+
 class MixConfig(Frozen):
     weights: dict[str, float]  # domain -> share of training tokens (of every phase that sets none)
     heldout: HeldoutConfig = HeldoutConfig()
@@ -280,6 +320,19 @@ class MixConfig(Frozen):
     # a domain's documents are repeated (epochs) when it is too small for its share, at most this many
     # times over the whole run (OLMo-core's mixes cap repetition the same way); more is an error
     max_epochs: float = Field(default=8.0, ge=1)
+    # choose `weights` by proxy runs before the target trains (none: the declared weights train)
+    search: MixSearchConfig | None = None
+
+    def tilted(self, weights: dict[str, float]) -> MixConfig:
+        """This mix with `weights` in place of the declared ones, each phase's own weights tilted by the same
+        per-domain ratio (the curriculum keeps its shape), and no search."""
+        total = sum(weights.values())
+        new = {d: weights.get(d, 0.0) / total for d in self.weights}
+        phases = tuple(
+            p if p.weights is None else p.model_copy(update={"weights": tilt(p.weights, self.weights, new)})
+            for p in self.phases
+        )
+        return self.model_copy(update={"weights": new, "phases": phases, "search": None})
 
     @model_validator(mode="before")
     @classmethod

@@ -105,6 +105,7 @@ class RunConfig(Frozen):
                 "or set expert_parallel: false"
             )
         self.phases()  # budgets must add up to the run
+        self._check_search()
         unknown = sorted(set(self.filter.overrides) - domains - set(names))
         if unknown:
             raise ValueError(
@@ -116,6 +117,21 @@ class RunConfig(Frozen):
             raise ValueError(f"quality.overrides names {unknown}, neither a domain nor a source; "
                              f"domains: {sorted(domains)}, sources: {names}")
         return self
+
+    def _check_search(self) -> None:
+        """A mixture search's objective weighs domains the mix trains, and its proxies (shorter runs) can
+        follow every phase: phases given in tokens have no share of a shorter run."""
+        search = self.mix.search
+        if search is None:
+            return
+        if not isinstance(search.objective, str):
+            unknown = sorted(set(search.objective) - {d for d, w in self.mix.weights.items() if w > 0})
+            if unknown:
+                raise ValueError(f"mix.search.objective weighs {unknown}, not domains of mix.weights "
+                                 f"{sorted(self.mix.weights)}")
+        if any(p.tokens is not None for p in self.mix.phases):
+            raise ValueError("mix.search needs every phase's budget as a `fraction` (a proxy runs a shorter "
+                             "curriculum): replace `tokens` in mix.phases")
 
     def phases(self) -> list[Phase]:
         """The curriculum in whole optimizer steps; the phases' steps add up to train.steps."""

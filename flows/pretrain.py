@@ -16,11 +16,11 @@ from moeflow.core.logs import route_loguru, route_moeflow_logs
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
 from moeflow.filters.stages import FILTER
 from moeflow.ingest.stages import INGEST, SOURCES
-from moeflow.moe.stages import EVALUATE, LADDER, RUNG, TRAIN
+from moeflow.moe.stages import EVALUATE, LADDER, MIX_SEARCH, PROXY, RUNG, TRAIN
 from moeflow.quality.stages import QUALITY, QUALITY_MODEL
 from moeflow.store.url import store_for
 from moeflow.tasks.pipeline import Pipeline
-from moeflow.tokenize.stages import MIX, RUNG_MIX, TOKENIZE, TOKENIZER
+from moeflow.tokenize.stages import MIX, PROXY_MIX, RUNG_MIX, TOKENIZE, TOKENIZER
 
 
 @flow(name="pretrain")
@@ -67,7 +67,12 @@ def dag(run, cfg: configs.RunConfig):
     tok = run(TOKENIZER, docs=docs)
     shards = run(TOKENIZE, docs=docs, tokenizer=tok)
     leftover = run(OVERLAP, shards=shards, tokenizer=tok, index=index)
-    mixed = run(MIX, shards=shards, tokenizer=tok)
+    if cfg.mix.search:  # proxy runs choose the weights, registered before the target's mix is built
+        search = run.subflow(mix_search, cfg, shards, tok)
+        cfg = run.searched(cfg, search)
+        mixed = run(MIX, cfg=cfg, shards=shards, tokenizer=tok, search=search)
+    else:
+        mixed = run(MIX, shards=shards, tokenizer=tok)
     # registered before train
     prediction = run.subflow(ladder, cfg, mixed, shards, tok) if cfg.ladder and mixed else None
     model = run(TRAIN, mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))
@@ -75,6 +80,19 @@ def dag(run, cfg: configs.RunConfig):
     # the card reads the whole graph: its key follows train too (whose bytes change whenever it reruns),
     # not only evaluate, whose bytes stay the same when, say, only the ladder changed
     return run(CARD, evaluate=evals, overlap=leftover, model=model, sources=src)
+
+
+@flow(name="mix_search", validate_parameters=False)
+def mix_search(run, cfg, shards, tok):
+    """The mixture search (a subflow): each proxy a cached training task on its own mix, then the fit and the
+    chosen weights (`moe/mix_search.py`)."""
+    from moeflow.moe import mix_search as search  # here: torch stays out of the data stages' workers
+
+    proxies, mixes = {}, []
+    for i, proxy in enumerate(search.plan(cfg, run.vocab(tok))):
+        mixes.append(run(PROXY_MIX, cfg=proxy["cfg"], label=f"proxy_mix{i}", shards=shards, tokenizer=tok))
+        proxies[f"proxy{i}"] = run(PROXY, cfg=proxy["cfg"], label=f"proxy{i}", mix=mixes[-1], tokenizer=tok)
+    return run(MIX_SEARCH, shards=shards, tokenizer=tok, proxy_mix0=mixes[0], **proxies)
 
 
 @flow(name="ladder", validate_parameters=False)

@@ -62,9 +62,16 @@ class DryRun:
         try:
             return flow_.fn(self, *args)
         except Unknown as e:
-            plan = Plan("ladder", "ladder", "rebuild", reasons=[str(e)])
-            self.plans["ladder"] = plan
+            plan = Plan(flow_.name, flow_.name, "rebuild", reasons=[str(e)])
+            self.plans[flow_.name] = plan
             return plan
+
+    def searched(self, cfg: RunConfig, search: Plan) -> RunConfig:
+        """As a run would choose, when the search is stored; else the declared mix (whose plan then has no key:
+        its `search` input is rebuilt first)."""
+        if search.manifest is None:
+            return cfg
+        return cfg.model_copy(update={"mix": cfg.mix.tilted(search.manifest.stats["weights"])})
 
     def vocab(self, tok: Plan) -> int:
         if tok.manifest is None:

@@ -1,5 +1,7 @@
-"""The stages this package declares: `rung`, `ladder`, `train` and `evaluate`. Their bodies are named, not
-imported (`Lazy`): they import torch, which a data stage's worker process should not hold."""
+"""The stages this package declares: `proxy`, `mix_search`, `rung`, `ladder`, `train` and `evaluate`.
+
+Their bodies are named, not imported (`Lazy`): they import torch, which a data stage's worker process should
+not hold."""
 
 from __future__ import annotations
 
@@ -30,6 +32,19 @@ def _ladder_config(c: RunConfig) -> dict:
     return {"ladder": c.ladder, "model": c.model, "train": c.train, "seed": c.seed, "phases": c.phases()}
 
 
+def _search_config(c: RunConfig) -> dict:
+    """What the search's fit and choice read: the declared mix and the target it chooses for."""
+    weights = {d: w / sum(c.mix.weights.values()) for d, w in c.mix.weights.items()}
+    return {"search": c.mix.search, "weights": weights, "max_epochs": c.mix.max_epochs,
+            "heldout_fraction": c.mix.heldout.fraction, "phases": c.phases(), "batch_size": c.train.batch_size,
+            "model": c.model, "train": c.train, "seed": c.seed,
+            "eval_sequences": c.evaluate.max_sequences_per_domain, "device": c.evaluate.device or c.train.device}
+
+
+# a mixture-search proxy: a rung's kind of run under its own name, so neither card nor ladder takes one for the other
+PROXY = Stage("proxy", _rung_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
+MIX_SEARCH = Stage("mix_search", _search_config, Lazy("moeflow.moe.mix_search:stage"),
+                   ("scipy", "pyarrow", "tokenizers", *TRAIN_LIBS))
 RUNG = Stage("rung", _rung_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)
 LADDER = Stage("ladder", _ladder_config, Lazy("moeflow.moe.ladder:stage"), ("scipy", *TRAIN_LIBS))
 TRAIN = Stage("train", _train_config, Lazy("moeflow.moe.launch:stage"), _train_libs, resumable=True)

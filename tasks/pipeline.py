@@ -81,6 +81,10 @@ class Pipeline:
         """Run a Prefect subflow of stages (the ladder) with this pipeline."""
         return flow_(self, *args)
 
+    def searched(self, cfg: RunConfig, search: Manifest) -> RunConfig:
+        """`cfg` with the mixture search's chosen weights in place of the declared ones."""
+        return cfg.model_copy(update={"mix": cfg.mix.tilted(search.stats["weights"])})
+
     def vocab(self, tok: Manifest) -> int:
         return tokenizer.load(tok.dir).get_vocab_size()
 

@@ -1,5 +1,5 @@
-"""The stages this package declares: `tokenizer`, `tokenize` (record-sharded, then packed in order), `mix` and
-`rung_mix`."""
+"""The stages this package declares: `tokenizer`, `tokenize` (record-sharded, then packed in order), `mix`, and
+`rung_mix` and `proxy_mix` (a ladder rung's and a mixture-search proxy's own mixes)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,5 @@ MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow", "tokenizers", "x
 # rung's mix for the target's); the split is the target's, so its leakage is measured there only
 RUNG_MIX = Stage("rung_mix", lambda c: _mix_config(c, leakage=False), mix.stage, ("numpy", "pyarrow"),
                  reads="shards")
+PROXY_MIX = Stage("proxy_mix", lambda c: _mix_config(c, leakage=False), mix.stage, ("numpy", "pyarrow"),
+                  reads="shards")

@@ -1,0 +1,122 @@
+"""The mixture search: draws, fit, choice within max_epochs, pre-registration, the card, and what a change reruns."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import write_config
+from moeflow import card, configs
+from moeflow.flows import why
+from moeflow.moe import mix_search
+
+DOMAINS = ["a", "b", "c"]
+DECLARED = {"a": 0.5, "b": 0.3, "c": 0.2}
+
+
+def test_draws_are_seeded_and_leave_unused_domains_out():
+    one = mix_search.draws({**DECLARED, "d": 0.0}, 8.0, 50, seed=3)
+    assert one == mix_search.draws({**DECLARED, "d": 0.0}, 8.0, 50, seed=3)
+    assert one != mix_search.draws({**DECLARED, "d": 0.0}, 8.0, 50, seed=4)
+    assert all(m["d"] == 0.0 and abs(sum(m.values()) - 1) < 1e-9 for m in one)
+    mean = {d: np.mean([m[d] for m in one]) for d in DOMAINS}
+    assert all(abs(mean[d] - DECLARED[d]) < 0.1 for d in DOMAINS)  # drawn around the declared mix
+
+
+def _law(m: dict) -> float:
+    return 3.0 - 0.2 * np.log(m["a"]) - 0.05 * np.log(m["b"]) - 0.01 * np.log(m["c"])
+
+
+def test_the_fit_recovers_a_log_law_and_ranks_proxies_it_did_not_see():
+    mixes = [DECLARED] + mix_search.draws(DECLARED, 8.0, 11, seed=0)
+    rng = np.random.default_rng(0)
+    y = [_law(m) + rng.normal(0, 0.002) for m in mixes]
+    coef = mix_search.fit(mixes, y, DOMAINS)
+    assert np.allclose(coef, [3.0, -0.2, -0.05, -0.01], atol=0.02)
+    rho, loo = mix_search.loo_rank_correlation(mixes, y, DOMAINS)
+    assert rho > 0.9 and len(loo) == len(mixes)
+    rho_noise, _ = mix_search.loo_rank_correlation(mixes, list(rng.normal(0, 1, len(mixes))), DOMAINS)
+    assert rho_noise < rho
+
+
+def _slice(**over) -> dict:
+    cfg = configs.load("smoke")
+    phases = cfg.phases()
+    s = {"search": configs.MixSearchConfig(), "weights": {"literature": 0.4, "python_docs": 0.3, "kernel_docs": 0.3},
+         "max_epochs": 2.0, "heldout_fraction": 0.0, "phases": phases, "batch_size": 8, "seed": 0}
+    return {**s, **over}
+
+
+def test_the_choice_stays_within_max_epochs():
+    s = _slice()
+    mixes = [s["weights"]] + mix_search.draws(s["weights"], 8.0, 7, seed=0)
+    y = [3.0 - 0.3 * np.log(m["literature"]) for m in mixes]  # more literature is always better
+    tokens = sum(p.steps * 8 * p.seq_len for p in s["phases"])
+    plenty = {"literature": 10 * tokens, "python_docs": 10 * tokens, "kernel_docs": 10 * tokens}
+    free = mix_search.choose(s, mixes, y, plenty)
+    assert free["weights"]["literature"] > 0.6
+    scarce = {**plenty, "literature": int(0.25 * tokens)}  # 2 epochs of it: about half the run's tokens
+    capped = mix_search.choose(s, mixes, y, scarce)
+    assert max(capped["epochs"].values()) <= 2.0
+    assert capped["weights"]["literature"] < free["weights"]["literature"] - 0.2
+    assert max(capped["epochs"].values()) > 1.8  # it takes what the cap allows
+    with pytest.raises(configs.ConfigError, match="max_epochs"):
+        mix_search.choose(s, mixes, y, {**plenty, "literature": 1, "python_docs": 1, "kernel_docs": 1})
+
+
+def test_tilting_keeps_the_curriculum_shape():
+    mix = configs.load("smoke").mix
+    new = mix.tilted({"literature": 0.8, "python_docs": 0.1, "kernel_docs": 0.1})
+    assert new.weights == {"literature": 0.8, "python_docs": 0.1, "kernel_docs": 0.1} and new.search is None
+    before, after = mix.phases[1].weights, new.phases[1].weights
+    # each domain scaled by chosen / declared: literature x2, the others / 3
+    assert after["literature"] / after["python_docs"] == pytest.approx(
+        before["literature"] * 2 / (before["python_docs"] / 3))
+
+
+def test_bad_search_configs_fail_before_any_work(tmp_path):
+    bad = write_config(tmp_path / "a.yaml", mix={"search": {"objective": {"poetry": 1.0}}})
+    with pytest.raises(ValueError, match="poetry"):
+        configs.load(bad)
+    data = write_config(tmp_path / "b.yaml", mix={"search": {}, "phases": [
+        {"name": "short", "seq_len": 32, "tokens": 4096}, {"name": "long"}]})
+    with pytest.raises(ValueError, match="fraction"):
+        configs.load(data)
+
+
+def test_the_search_is_registered_before_the_mix_and_changes_it(prefect_server, smoke_data, tmp_path):
+    from moeflow.flows.pretrain import pretrain
+
+    path = write_config(tmp_path / "search.yaml", store=str(tmp_path / "store"),
+                        mix={"search": {"proxies": 5, "width": 16, "min_steps": 8}})
+    out = pretrain(config=str(path))
+    labels = list(out["stages"])
+    assert [k for k in labels if k.startswith("proxy")] == [f"proxy{x}{i}" for i in range(5) for x in ("_mix", "")]
+    assert labels.index("mix_search") < labels.index("mix")
+    lin = {k: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for k, v in out["stages"].items()}
+    search = json.loads((Path(out["stages"]["mix_search"]["artifact"]) / "search.json").read_text())
+    assert search["registered_at"] <= lin["mix"]["started_at"] <= lin["train"]["started_at"]
+    assert lin["mix"]["inputs"]["search"]["hash"] == lin["mix_search"]["artifact"]["hash"]
+    assert lin["mix"]["config"]["mix"]["weights"] == pytest.approx(search["weights"], abs=1e-6)
+    assert search["weights"] != pytest.approx(search["declared"])
+    assert search["proxy_fraction"] <= 0.25 and len(search["proxies"]) == 5
+    text = Path(out["card"]).read_text()
+    assert "## Mixture search" in text and f"| {search['proxies'][3]['objective']:.4f} |" in text
+    # the card's section is lineage alone: without search.json it renders the same
+    (Path(out["stages"]["mix_search"]["artifact"]) / "search.json").unlink()
+    graph = card.collect([Path(out["stages"]["evaluate"]["artifact"])])
+    again = card.render_card(graph)
+    assert again.split("## Mixture search")[1].split("## ")[0] == text.split("## Mixture search")[1].split("## ")[0]
+    _a_changed_objective_reruns_the_search_only(path, tmp_path)
+
+
+def _a_changed_objective_reruns_the_search_only(path: Path, tmp_path: Path) -> None:
+    changed = write_config(tmp_path / "changed.yaml", base=str(path),
+                           mix={"search": {"proxies": 5, "width": 16, "min_steps": 8,
+                                           "objective": {"literature": 1.0}}})
+    plans = {p.label: p for p in why.why(configs.load(changed))}
+    assert plans["mix_search"].status == "rebuild"
+    assert any("objective" in r for r in plans["mix_search"].reasons), plans["mix_search"].reasons
+    for label in ("ingest", "filter", "dedup", "decontaminate", "tokenize", "proxy_mix0", "proxy4"):
+        assert plans[label].status == "reuse", (label, plans[label].reasons)
