@@ -20,13 +20,12 @@ WORDS = ("river harbour bridge committee morning winter school roof grain market
 SPAM = "buy cheap pills now click here free casino bonus win money fast best price discount offer".split()
 
 
-def _prose(rng: random.Random, sentences: int = 12) -> str:
-    out = []
-    for _ in range(sentences):
-        a, b, c = rng.sample(WORDS, 3)
-        out.append(f"The {a} near the {b} was described in a long letter about the {c}, and everyone "
-                   f"agreed that it had changed since the old days.")
-    return " ".join(out)
+PROSE = ("The {} near the {} was described in a long letter about the {}, and everyone agreed that it had "
+         "changed since the old days.")
+
+
+def _prose(rng: random.Random, sentences: int = 12, words: list[str] = WORDS, template: str = PROSE) -> str:
+    return " ".join(template.format(*rng.sample(words, 3)) for _ in range(sentences))
 
 
 def _spam(rng: random.Random) -> str:
@@ -74,8 +73,11 @@ def positives(tmp_path):
     return (_positives(tmp_path / "pos", 30),)
 
 
+DCLM = configs.SyntheticNegatives(kinds=())  # positives against the corpus sample, as DCLM published it
+
+
 def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
-    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5)))
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5), synthetic_negatives=DCLM))
     stats = built["quality"].stats
     assert stats["documents_in"] == 42 and sum(stats["fates"][f] for f in ("kept", "dropped")) == 42
     rows = read_ledger(built["quality"].dir).to_pylist()
@@ -89,6 +91,45 @@ def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
     assert [d["id"] for d in iter_docs(built["quality"].dir)] == [r["doc_id"] for r in rows if r["fate"] == "kept"]
     held = built["model"].stats["heldout"]  # negatives are the corpus, prose and spam alike (DCLM's recipe)
     assert held["positives"] == 6 and held["negatives"] == 6 and 0 <= held["roc_auc"] <= 1
+
+
+RAIL = "Every {} on this line is checked by a {} before a {} may leave the yard for its morning run."
+OTHER = ("engine wheel track signal station driver cargo freight platform tunnel carriage timetable ticket "
+         "conductor junction rail depot lever brake whistle boiler coal siding viaduct").split()
+
+
+def _reversed(text: str) -> str:
+    """A junk kind neither `quality/degrade.py` nor the benchmark makes: every word, in reverse order."""
+    return " ".join(reversed(text.split()))
+
+
+def test_degraded_text_of_any_domain_is_dropped_with_its_score(tmp_path, positives):
+    """Positives in one style, a corpus in two (one of them unlike the positives) with three reversed documents
+    planted in each: trained with synthetic negatives the classifier ranks exactly the planted ones last in
+    their domains (positives against the corpus alone teach style and topic, and rank the rail ones anywhere)."""
+    rng, rows = random.Random(5), []
+    for domain, words, template in (("news", WORDS, PROSE), ("rail", OTHER, RAIL)):
+        for i in range(33):
+            text = _prose(rng, words=words, template=template)
+            rows.append((f"{domain}-{'junk' if i < 3 else 'good'}{i:02d}", domain, _reversed(text) if i < 3 else text))
+    random.Random(3).shuffle(rows)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with DocWriter(corpus) as w:
+        for doc_id, domain, text in rows:
+            w.write({"id": doc_id, "source": f"{domain}-src", "domain": domain, "path": "p", "text": text})
+    keep = KeepRule(top_fraction=30 / 33)
+    q = QualityConfig(positives=positives, train=configs.ClassifierTrain(epoch=30, lr=0.5, negatives_per_positive=2),
+                      overrides={"news": keep, "rail": keep})
+    built = _run(tmp_path, q, corpus=corpus)
+    ledger = read_ledger(built["quality"].dir).to_pylist()
+    dropped = {r["doc_id"]: json.loads(r["detail"]) for r in ledger if r["fate"] == "dropped"}
+    assert sorted(dropped) == sorted(i for i, _, _ in rows if "junk" in i)
+    kept = [json.loads(r["detail"])["score"] for r in ledger if r["fate"] == "kept"]
+    assert max(d["score"] for d in dropped.values()) <= min(kept)
+    assert all(r["reason"] == "quality.below_threshold" for r in ledger if r["fate"] == "dropped")
+    held = built["model"].stats["heldout"]  # clean held-out text against its degraded versions
+    assert held["roc_auc"] > 0.75 and held["negatives"] == held["positives"]  # patchwork of templates reads well
 
 
 def test_roc_auc_counts_pairs_ordered_and_ties_half():
