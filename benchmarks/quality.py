@@ -120,7 +120,7 @@ def main() -> dict:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--per-domain", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clean-loss", type=float, default=0.05, choices=qc.QUANTILES,
+    ap.add_argument("--clean-loss", type=float, default=0.02, choices=qc.QUANTILES,
                     help="the threshold: this quantile of the held-out corpus documents' scores")
     args = ap.parse_args()
     cfg, rng = configs.load(args.config), random.Random(args.seed)

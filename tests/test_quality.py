@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from helpers import _fresh_store, docs_artifact, stage_config
@@ -270,3 +271,62 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
     model.write_bytes(model.read_bytes() + b"\0")
     assert any(r.startswith("fetched file:quality.model.xxh3:") for r in
                keys.explain(before, parts("quality_model", QualityConfig(model=str(model)))))
+
+
+def test_degraders_are_seeded_change_the_text_and_unknown_kinds_are_named():
+    from moeflow.quality.degrade import DEGRADERS, degrade
+
+    rng = random.Random(2)
+    texts = [_prose(rng) for _ in range(6)]
+    kinds = tuple(DEGRADERS)
+    made = degrade(texts, kinds, 2.0, texts, seed=4)
+    assert made == degrade(texts, kinds, 2.0, texts, seed=4) != degrade(texts, kinds, 2.0, texts, seed=5)
+    assert sorted({k for k, _ in made}) == sorted(kinds) and len(made) == 12
+    assert all(text not in texts and text.split() for _, text in made)
+    common = {"the", "a", "was", "in", "and", "that", "it", "had", "since", "about", "near", "long"}
+    keywords = [t for k, t in made if k == "keywords"]
+    assert sum(w.lower() in common for t in keywords for w in t.split()) < sum(
+        w.lower() in common for t in texts for w in t.split()) / 3
+    with pytest.raises(ValueError, match=r"unknown degrader\(s\) \['typo'\]; known: "):
+        degrade(texts, ("typo",), 1.0, texts, seed=0)
+    with pytest.raises(pydantic.ValidationError, match="synthetic_negatives"):
+        QualityConfig(positives=(_positives_entry(),), synthetic_negatives={"kinds": ["typo"]})
+
+
+def _positives_entry() -> configs.PositiveSource:
+    return configs.PositiveSource(name="reference", path="/nowhere/*.txt")
+
+
+def test_training_code_never_reaches_the_benchmarks_junk_generators():
+    """The classifier learns junk as a class: nothing the stage trains with may come from benchmarks/quality.py."""
+    import ast
+
+    import moeflow.quality as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any("benchmarks" in n for n in names), path
+        assert "make_junk" not in path.read_text() and "FUNCTION_WORDS" not in path.read_text(), path
+
+
+def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(tmp_path, positives):
+    from moeflow.card import plots, report
+
+    q = QualityConfig(positives=positives, synthetic_negatives=DCLM, keep=KeepRule(top_fraction=0.6),
+                      overrides={"news": KeepRule(threshold=0.5)})
+    stats = _run(tmp_path, q)["quality"].stats
+    rec = {"stage": "quality", "config": q.model_dump(mode="json"), "stats": stats}
+    section = report._quality_table(rec)
+    forum, news = stats["by_domain"]["forum"], stats["by_domain"]["news"]
+    assert plots.quality_line(stats, rec["config"], "forum") == stats["cutoffs"]["all"][0]
+    assert plots.quality_line(stats, rec["config"], "news") == 0.5
+    for d, cut in ((forum, f"{stats['cutoffs']['all'][0]:g}"), (news, "0.5")):
+        assert len(d["borderline"]["above"]) == 5 and len(d["borderline"]["below"]) == 5
+        ids = "<br>".join(f"`{i}` {s:.6f}" for i, s in d["borderline"]["above"])
+        assert f"| {cut} | {' '.join(map(str, d['histogram']))} | {ids} | " in section
+        assert all(f"`{i}` {s:.6f}" in section for i, s in d["borderline"]["below"])
+    png = tmp_path / plots.QUALITY
+    plots.quality_histograms(stats, rec["config"], png)
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
