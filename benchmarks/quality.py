@@ -4,17 +4,20 @@ heuristic filters keep, judged by the heuristics alone, the classifier alone, an
 Run: `python benchmarks/quality.py [--config tiny] [--per-domain N] [--seed S]` after `moeflow fetch tiny`.
 
 Clean documents are the preset's corpora (up to `--per-domain` a domain, read by ingest's readers) that its
-filter config keeps, the Python tutorial, HOWTOs and FAQ left out: those are the classifier's positives,
-trained as `quality_model` trains (`moeflow.quality.classifier`) against a seeded sample of the clean
-documents' training half. The generators below never reach training. From the other half's documents it
-makes junk of five kinds: `shuffled` (a document's words in random order), `spam` (keywords and boilerplate
-repeated), `spliced` (two documents cut mid-sentence and joined), `templated` (a near-empty page of a
-template), `no_function_words` (a document with its function words removed). The classifier's threshold is
-the 5th percentile of the clean training half's scores (no junk seen). Reported: per judge, the recall of
-planted junk and the fraction of clean documents dropped; `junk_recall` is the classifier's recall (with the
-heuristics) on the junk the heuristics alone keep; `mb_per_s_core` is scoring throughput on one process;
-`heldout_auc` the classifier's held-out ROC AUC (positives against corpus documents). Last line: one JSON
-object.
+filter config keeps, the Python tutorial, HOWTOs and FAQ left out: those are the classifier's positives. The
+classifier is trained by `quality_model`'s own code (`classifier.build`) with the preset's quality section
+(its training and synthetic negatives; a preset without one gets the defaults), the clean documents'
+training half as its corpus sample. The generators below never reach training: the synthetic negatives come
+from `moeflow.quality.degrade`, written apart from them. From the other half's documents it makes junk of
+five kinds: `shuffled` (a document's words in random order), `spam` (keywords and boilerplate repeated),
+`spliced` (two documents cut mid-sentence and joined), `templated` (a near-empty page of a template),
+`no_function_words` (a document with its function words removed). The classifier's threshold is the
+`--clean-loss` quantile (0.02) of the scores of the corpus documents `quality_model` held out (no junk seen).
+Reported: per judge, the recall of planted junk and the fraction of clean documents dropped; `junk_recall`
+is the classifier's recall (with the heuristics) on the junk the heuristics alone keep, and
+`junk_recall_per_kind` the same per kind; `mb_per_s_core` is scoring throughput on one process (best of 3);
+`heldout_auc` the classifier's held-out ROC AUC on its own construction (held-out clean documents against
+degraded versions of them). Last line: one JSON object.
 """
 
 from __future__ import annotations
