@@ -260,6 +260,9 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
     stricter = base.model_copy(update={"keep": KeepRule(top_fraction=0.5)})
     assert parts("quality_model", stricter) == parts("quality_model", base)
     assert "config keep.top_fraction: null -> 0.5" in keys.explain(parts("quality", base), parts("quality", stricter))
+    twice = base.model_copy(update={"synthetic_negatives": configs.SyntheticNegatives(per_document=2)})
+    assert "config synthetic_negatives.per_document: 1.0 -> 2.0" in keys.explain(parts("quality_model", base),
+                                                                              parts("quality_model", twice))
     before = parts("quality_model", base)
     (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and mtime
     assert any(r.startswith("fetched local:reference.0.size:") for r in
