@@ -32,6 +32,9 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     fil = single(graph, "filter")
     plots.filter_waterfall(plots.waterfall(fil["stats"], list(fil["config"].get("steps", []))),
                            out / "plots" / plots.WATERFALL)
+    quality = single(graph, "quality", required=False)
+    if quality is not None:
+        plots.quality_histograms(quality["stats"], quality["config"], out / "plots" / plots.QUALITY)
     card_md, report_md = render_card(graph), render_report(graph)
     (out / CARD).write_text(card_md)
     (out / DATASET_CARD).write_text(render_dataset_card(graph))

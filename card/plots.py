@@ -173,3 +173,38 @@ def filter_waterfall(rows: dict[str, list[tuple[str, int, int]]], path: Path) ->
     ax.set_title("filter: documents left after each step, per source (-n: removed by the step)")
     ax.legend(fontsize=7)
     _save(fig, path)
+
+
+QUALITY = "quality_scores.png"
+
+
+def quality_line(stats: dict, config: dict, domain: str) -> float | None:
+    """Where a domain's keep rule cuts its scores: its threshold, or the score of the last document its
+    top_fraction keeps (None when sources of the domain have rules of their own)."""
+    rule = config.get("overrides", {}).get(domain) or config["keep"]
+    if rule.get("threshold") is not None:
+        return rule["threshold"]
+    cuts = stats.get("cutoffs", {})
+    cut = cuts.get(f"domain:{domain}") or (cuts.get("all") if domain not in config.get("overrides", {}) else None)
+    return cut[0] if cut else None
+
+
+def quality_histograms(stats: dict, config: dict, path: Path) -> None:
+    """Per domain, the quality scores in 20 bins of 0.05 with the keep rule's line drawn (documents left of it
+    are dropped)."""
+    plt = _pyplot()
+    domains = sorted(stats.get("by_domain", {}))
+    fig, axes = plt.subplots(len(domains) or 1, 1, figsize=(6.4, 1.9 * max(1, len(domains))), squeeze=False)
+    for ax, domain in zip(axes[:, 0], domains, strict=False):
+        d = stats["by_domain"][domain]
+        bins = len(d["histogram"])
+        ax.bar(np.arange(bins) / bins, d["histogram"], width=1 / bins, align="edge", color="tab:blue")
+        line = quality_line(stats, config, domain)
+        if line is not None:
+            ax.axvline(line, color="tab:red", linestyle="--", label=f"keep from {line:g}")
+            ax.legend(fontsize=7)
+        ax.set_xlim(0, 1)
+        ax.set_ylabel("documents")
+        ax.set_title(f"{domain}: {d['kept']} of {d['documents']} kept", fontsize=9)
+    axes[-1, 0].set_xlabel("quality score")
+    _save(fig, path)

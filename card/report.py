@@ -9,7 +9,7 @@ from pathlib import Path
 import markdown
 
 from moeflow.card.graph import artifact_name, last_run, single, upstream
-from moeflow.card.plots import PLOTS, WATERFALL, waterfall
+from moeflow.card.plots import PLOTS, QUALITY, WATERFALL, quality_line, waterfall
 from moeflow.card.render import render
 from moeflow.card.sections import seconds, table
 
@@ -101,14 +101,21 @@ def _artifact(name: str, r: dict, built: set[str]) -> dict:
 
 
 def _quality_table(rec: dict) -> str | None:
-    """The quality stage's documents kept per domain, the domain's rule, and its scores in 20 bins of 0.05."""
+    """The quality stage's documents kept per domain, the domain's rule and where it cut, its scores in 20 bins
+    of 0.05, and for review the five kept documents scoring lowest and the five dropped scoring highest."""
     keep, overrides = rec["config"]["keep"], rec["config"].get("overrides", {})
+
+    def ids(rows: list) -> str:
+        return "<br>".join(f"`{i}` {s:.6f}" for i, s in rows) or "none"
+
     rows = [[domain, d["documents"], d["kept"],
              ", ".join(f"{k} {v}" for k, v in (overrides.get(domain) or keep).items() if v is not None),
-             " ".join(str(n) for n in d["histogram"])]
+             "?" if (cut := quality_line(rec["stats"], rec["config"], domain)) is None else f"{cut:g}",
+             " ".join(str(n) for n in d["histogram"]),
+             ids(d.get("borderline", {}).get("above", [])), ids(d.get("borderline", {}).get("below", []))]
             for domain, d in sorted(rec["stats"].get("by_domain", {}).items())]
-    return table(["domain", "documents", "kept", "rule", "scores: documents per 0.05, from 0 to 1"], rows) \
-        if rows else None
+    return table(["domain", "documents", "kept", "rule", "keeps from", "scores: documents per 0.05, from 0 to 1",
+                  "just above (kept, lowest 5)", "just below (dropped, highest 5)"], rows) if rows else None
 
 
 def _waterfall_table(rec: dict) -> str | None:
@@ -153,6 +160,7 @@ def render_report(graph: dict[str, dict]) -> str:
         TEMPLATE,
         dag=DAG,
         waterfall_png=WATERFALL,
+        quality_png=QUALITY,
         run=run,
         rebuilt=len(built),
         reused=len(graph) - len(built),

@@ -21,7 +21,7 @@ from moeflow.configs.data import (
     TokenizerConfig,
     TokenizerKind,
 )
-from moeflow.configs.quality import ClassifierTrain, KeepRule, PositiveSource, QualityConfig
+from moeflow.configs.quality import ClassifierTrain, KeepRule, PositiveSource, QualityConfig, SyntheticNegatives
 from moeflow.configs.run import RunConfig, load, resolve
 from moeflow.configs.training import AlarmConfig, EvalConfig, LadderConfig, ModelConfig, TrainConfig, TrainStageConfig
 
@@ -29,6 +29,7 @@ __all__ = [
     "AlarmConfig",
     "BenchmarkConfig",
     "ClassifierTrain",
+    "SyntheticNegatives",
     "ConfigError",
     "DATATROVE_FILTERS",
     "DecontamConfig",

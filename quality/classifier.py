@@ -1,10 +1,14 @@
 """The `quality_model` stage: a fastText quality classifier, trained or given, and how well it separates.
 
-Trained, it follows DCLM's recipe: documents of `quality.positives` (label `__label__hq`) against a seeded
-sample of the deduplicated corpus (`__label__cc`), with a seeded held-out share of each class. fastText
-trains on one thread with the seed, so the model's bytes are the same for a seed. Given (`quality.model`),
-the file is used as is. Either way the artifact holds `model.bin` and, when positives are declared, the
-model's held-out precision, recall and ROC AUC (else "not measured").
+Trained, it reads `quality.positives` and a seeded sample of the deduplicated corpus, and holds out a seeded
+share of each. With `quality.synthetic_negatives` (the default) both are clean text (`__label__hq`) against
+degraded versions of them (`__label__cc`, `degrade.py`): the classifier learns broken text as a class, in every
+domain. Without, it follows DCLM's recipe: positives (`__label__hq`) against the corpus sample (`__label__cc`).
+fastText trains on one thread with the seed, so the model's bytes are the same for a seed. Given
+(`quality.model`), the file is used as is. Either way the artifact holds `model.bin` and, when positives are
+declared, the model's held-out precision, recall and ROC AUC on the same construction, and the quantiles of
+the held-out corpus documents' scores (the threshold that drops 1%, 2%, 5%, 10% of clean text) (else "not
+measured").
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from moeflow.core.documents import count_docs, iter_docs
 from moeflow.ingest import resolve_sources_list
 from moeflow.ingest.reader import records
 from moeflow.ingest.sources_stage import identities
+from moeflow.quality.degrade import degrade
 from moeflow.sources import fetch
 from moeflow.sources.stage import file_identity
 
 HQ, CC = "__label__hq", "__label__cc"
 MIN_POSITIVES = 20  # a fifth held out leaves 4 to measure on and 16 to learn from: below that, no model
 MODEL = "model.bin"
+QUANTILES = (0.01, 0.02, 0.05, 0.1)  # of held-out corpus documents' scores: thresholds and the share below each
 
 
 class QualityError(ValueError):
@@ -154,40 +160,70 @@ def train(texts: list[tuple[str, str]], cfg, out: Path) -> None:
                            "try a lower quality.train.lr")
 
 
-def stage(s: dict, inputs: dict, out: Path) -> dict:
-    """The `quality_model` body: train (or copy the given model), then measure it on the held-out split."""
+def construction(pos: list[str], corpus: list[str], s: dict, seed: int) -> tuple[list[str], list[str]]:
+    """(clean, junk) texts of one side of the split. With `synthetic_negatives`, the clean side is the positives
+    and the corpus sample, the junk their degraded versions (word statistics from this side's corpus sample
+    only, so held-out junk is made of held-out text); without, DCLM's: positives against the corpus sample."""
+    syn, max_chars = s["synthetic_negatives"], s["train"].max_chars
+    if not syn.kinds:
+        return pos, corpus
+    clean = [line(x, max_chars) for x in pos + corpus]
+    junk = degrade(clean, syn.kinds, syn.per_document, [line(x, max_chars) for x in corpus], seed)
+    return clean, [text for _, text in junk]
+
+
+def build(s: dict, pos: list[str], corpus: list[str], out: Path) -> dict:
+    """Split, train and measure: the classifier of `pos` (positives' texts) and `corpus` (the corpus sample)
+    into `out`, and its held-out metrics (with the held-out corpus documents' score quantiles)."""
     t = s["train"]
     rng = np.random.default_rng(t.seed)
-    held: tuple[list[str], list[str]] | None = None
-    stats: dict = {"source": "given" if s["model"] else "trained", "heldout": "not measured"}
-    if s["positives"]:
-        pos = read_positives(s["positives"])
-        neg = sample_corpus(inputs["docs"].dir, math.ceil(len(pos) * t.negatives_per_positive), t.seed)
-        (pos_train, pos_held), (neg_train, neg_held) = split(pos, t.heldout_fraction, rng), \
-            split(neg, t.heldout_fraction, rng)
-        held = (pos_held, neg_held)
-        stats["positives"] = {"documents": len(pos), "sources": [p.name for p in s["positives"]],
-                              "train": len(pos_train), "heldout": len(pos_held)}
-        stats["negatives"] = {"documents": len(neg), "train": len(neg_train), "heldout": len(neg_held)}
-    if s["model"]:
-        shutil.copyfile(Path(s["model"]).expanduser(), out / MODEL)
-    else:
-        pairs = [(HQ, x) for x in pos_train] + [(CC, x) for x in neg_train]
+    (pos_train, pos_held), (cor_train, cor_held) = split(pos, t.heldout_fraction, rng), \
+        split(corpus, t.heldout_fraction, rng)
+    clean, junk = construction(pos_train, cor_train, s, t.seed)
+    pairs = [(HQ, x) for x in clean] + [(CC, x) for x in junk]
+    if not s["model"]:
         train([pairs[i] for i in rng.permutation(len(pairs))], s, out)
     model = load(str(out / MODEL))
     label = hq_label(model, s["label"])
+    held_clean, held_junk = construction(pos_held, cor_held, s, t.seed + 1)
+    heldout = measure(model, label, held_clean, held_junk, t.max_chars)
+    corpus_scores = scores(model, label, [line(x, t.max_chars) for x in cor_held])
+    heldout["corpus_quantiles"] = {str(q): round(float(np.quantile(corpus_scores, q)), 6) for q in QUANTILES}
     load.cache_clear()  # the staging folder is renamed when it commits
-    stats.update(label=label, labels=list(model.labels))
-    if held:
-        stats["heldout"] = measure(model, label, *held, t.max_chars)
+    return {"label": label, "labels": list(model.labels), "heldout": heldout,
+            "positives": {"documents": len(pos), "train": len(pos_train), "heldout": len(pos_held)},
+            "corpus": {"documents": len(corpus), "train": len(cor_train), "heldout": len(cor_held)},
+            "synthetic_negatives": {"train": len(junk), "heldout": len(held_junk)}}
+
+
+def stage(s: dict, inputs: dict, out: Path) -> dict:
+    """The `quality_model` body: train (or copy the given model), then measure it on the held-out split."""
+    t = s["train"]
+    stats: dict = {"source": "given" if s["model"] else "trained", "heldout": "not measured"}
+    if s["model"]:
+        shutil.copyfile(Path(s["model"]).expanduser(), out / MODEL)
+    if s["positives"]:
+        pos = read_positives(s["positives"])
+        corpus = sample_corpus(inputs["docs"].dir, math.ceil(len(pos) * t.negatives_per_positive), t.seed)
+        stats |= build(s, pos, corpus, out)
+        stats["positives"]["sources"] = [p.name for p in s["positives"]]
+    else:
+        model = load(str(out / MODEL))
+        stats.update(label=hq_label(model, s["label"]), labels=list(model.labels))
+        load.cache_clear()
     (out / "metrics.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     return stats
 
 
 def config(c: RunConfig) -> dict:
     """`quality_model`'s slice: what shapes the model (the keep rule does not: changing it reuses the model)."""
-    q = c.quality
-    return {"positives": q.positives, "model": q.model, "label": q.label, "train": q.train}
+    return slice_of(c.quality)
+
+
+def slice_of(q) -> dict:
+    """What of a quality section shapes the model."""
+    return {"positives": q.positives, "model": q.model, "label": q.label, "train": q.train,
+            "synthetic_negatives": q.synthetic_negatives}
 
 
 def fetched(s: dict) -> dict:

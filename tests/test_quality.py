@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from helpers import _fresh_store, docs_artifact, stage_config
@@ -20,13 +21,12 @@ WORDS = ("river harbour bridge committee morning winter school roof grain market
 SPAM = "buy cheap pills now click here free casino bonus win money fast best price discount offer".split()
 
 
-def _prose(rng: random.Random, sentences: int = 12) -> str:
-    out = []
-    for _ in range(sentences):
-        a, b, c = rng.sample(WORDS, 3)
-        out.append(f"The {a} near the {b} was described in a long letter about the {c}, and everyone "
-                   f"agreed that it had changed since the old days.")
-    return " ".join(out)
+PROSE = ("The {} near the {} was described in a long letter about the {}, and everyone agreed that it had "
+         "changed since the old days.")
+
+
+def _prose(rng: random.Random, sentences: int = 12, words: list[str] = WORDS, template: str = PROSE) -> str:
+    return " ".join(template.format(*rng.sample(words, 3)) for _ in range(sentences))
 
 
 def _spam(rng: random.Random) -> str:
@@ -74,8 +74,11 @@ def positives(tmp_path):
     return (_positives(tmp_path / "pos", 30),)
 
 
+DCLM = configs.SyntheticNegatives(kinds=())  # positives against the corpus sample, as DCLM published it
+
+
 def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
-    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5)))
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5), synthetic_negatives=DCLM))
     stats = built["quality"].stats
     assert stats["documents_in"] == 42 and sum(stats["fates"][f] for f in ("kept", "dropped")) == 42
     rows = read_ledger(built["quality"].dir).to_pylist()
@@ -89,6 +92,45 @@ def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
     assert [d["id"] for d in iter_docs(built["quality"].dir)] == [r["doc_id"] for r in rows if r["fate"] == "kept"]
     held = built["model"].stats["heldout"]  # negatives are the corpus, prose and spam alike (DCLM's recipe)
     assert held["positives"] == 6 and held["negatives"] == 6 and 0 <= held["roc_auc"] <= 1
+
+
+RAIL = "Every {} on this line is checked by a {} before a {} may leave the yard for its morning run."
+OTHER = ("engine wheel track signal station driver cargo freight platform tunnel carriage timetable ticket "
+         "conductor junction rail depot lever brake whistle boiler coal siding viaduct").split()
+
+
+def _reversed(text: str) -> str:
+    """A junk kind neither `quality/degrade.py` nor the benchmark makes: every word, in reverse order."""
+    return " ".join(reversed(text.split()))
+
+
+def test_degraded_text_of_any_domain_is_dropped_with_its_score(tmp_path, positives):
+    """Positives in one style, a corpus in two (one of them unlike the positives) with three reversed documents
+    planted in each: trained with synthetic negatives the classifier ranks exactly the planted ones last in
+    their domains (positives against the corpus alone teach style and topic, and rank the rail ones anywhere)."""
+    rng, rows = random.Random(5), []
+    for domain, words, template in (("news", WORDS, PROSE), ("rail", OTHER, RAIL)):
+        for i in range(33):
+            text = _prose(rng, words=words, template=template)
+            rows.append((f"{domain}-{'junk' if i < 3 else 'good'}{i:02d}", domain, _reversed(text) if i < 3 else text))
+    random.Random(3).shuffle(rows)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with DocWriter(corpus) as w:
+        for doc_id, domain, text in rows:
+            w.write({"id": doc_id, "source": f"{domain}-src", "domain": domain, "path": "p", "text": text})
+    keep = KeepRule(top_fraction=30 / 33)
+    q = QualityConfig(positives=positives, train=configs.ClassifierTrain(epoch=30, lr=0.5, negatives_per_positive=2),
+                      overrides={"news": keep, "rail": keep})
+    built = _run(tmp_path, q, corpus=corpus)
+    ledger = read_ledger(built["quality"].dir).to_pylist()
+    dropped = {r["doc_id"]: json.loads(r["detail"]) for r in ledger if r["fate"] == "dropped"}
+    assert sorted(dropped) == sorted(i for i, _, _ in rows if "junk" in i)
+    kept = [json.loads(r["detail"])["score"] for r in ledger if r["fate"] == "kept"]
+    assert max(d["score"] for d in dropped.values()) <= min(kept)
+    assert all(r["reason"] == "quality.below_threshold" for r in ledger if r["fate"] == "dropped")
+    held = built["model"].stats["heldout"]  # clean held-out text against its degraded versions
+    assert held["roc_auc"] > 0.75 and held["negatives"] == held["positives"]  # patchwork of templates reads well
 
 
 def test_roc_auc_counts_pairs_ordered_and_ties_half():
@@ -218,6 +260,9 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
     stricter = base.model_copy(update={"keep": KeepRule(top_fraction=0.5)})
     assert parts("quality_model", stricter) == parts("quality_model", base)
     assert "config keep.top_fraction: null -> 0.5" in keys.explain(parts("quality", base), parts("quality", stricter))
+    twice = base.model_copy(update={"synthetic_negatives": configs.SyntheticNegatives(per_document=2)})
+    assert "config synthetic_negatives.per_document: 1.0 -> 2.0" in keys.explain(parts("quality_model", base),
+                                                                              parts("quality_model", twice))
     before = parts("quality_model", base)
     (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and mtime
     assert any(r.startswith("fetched local:reference.0.size:") for r in
@@ -229,3 +274,62 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
     model.write_bytes(model.read_bytes() + b"\0")
     assert any(r.startswith("fetched file:quality.model.xxh3:") for r in
                keys.explain(before, parts("quality_model", QualityConfig(model=str(model)))))
+
+
+def test_degraders_are_seeded_change_the_text_and_unknown_kinds_are_named():
+    from moeflow.quality.degrade import DEGRADERS, degrade
+
+    rng = random.Random(2)
+    texts = [_prose(rng) for _ in range(6)]
+    kinds = tuple(DEGRADERS)
+    made = degrade(texts, kinds, 2.0, texts, seed=4)
+    assert made == degrade(texts, kinds, 2.0, texts, seed=4) != degrade(texts, kinds, 2.0, texts, seed=5)
+    assert sorted({k for k, _ in made}) == sorted(kinds) and len(made) == 12
+    assert all(text not in texts and text.split() for _, text in made)
+    common = {"the", "a", "was", "in", "and", "that", "it", "had", "since", "about", "near", "long"}
+    keywords = [t for k, t in made if k == "keywords"]
+    assert sum(w.lower() in common for t in keywords for w in t.split()) < sum(
+        w.lower() in common for t in texts for w in t.split()) / 3
+    with pytest.raises(ValueError, match=r"unknown degrader\(s\) \['typo'\]; known: "):
+        degrade(texts, ("typo",), 1.0, texts, seed=0)
+    with pytest.raises(pydantic.ValidationError, match="synthetic_negatives"):
+        QualityConfig(positives=(_positives_entry(),), synthetic_negatives={"kinds": ["typo"]})
+
+
+def _positives_entry() -> configs.PositiveSource:
+    return configs.PositiveSource(name="reference", path="/nowhere/*.txt")
+
+
+def test_training_code_never_reaches_the_benchmarks_junk_generators():
+    """The classifier learns junk as a class: nothing the stage trains with may come from benchmarks/quality.py."""
+    import ast
+
+    import moeflow.quality as package
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any("benchmarks" in n for n in names), path
+        assert "make_junk" not in path.read_text() and "FUNCTION_WORDS" not in path.read_text(), path
+
+
+def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(tmp_path, positives):
+    from moeflow.card import plots, report
+
+    q = QualityConfig(positives=positives, synthetic_negatives=DCLM, keep=KeepRule(top_fraction=0.6),
+                      overrides={"news": KeepRule(threshold=0.5)})
+    stats = _run(tmp_path, q)["quality"].stats
+    rec = {"stage": "quality", "config": q.model_dump(mode="json"), "stats": stats}
+    section = report._quality_table(rec)
+    forum, news = stats["by_domain"]["forum"], stats["by_domain"]["news"]
+    assert plots.quality_line(stats, rec["config"], "forum") == stats["cutoffs"]["all"][0]
+    assert plots.quality_line(stats, rec["config"], "news") == 0.5
+    for d, cut in ((forum, f"{stats['cutoffs']['all'][0]:g}"), (news, "0.5")):
+        assert len(d["borderline"]["above"]) == 5 and len(d["borderline"]["below"]) == 5
+        ids = "<br>".join(f"`{i}` {s:.6f}" for i, s in d["borderline"]["above"])
+        assert f"| {cut} | {' '.join(map(str, d['histogram']))} | {ids} | " in section
+        assert all(f"`{i}` {s:.6f}" in section for i, s in d["borderline"]["below"])
+    png = tmp_path / plots.QUALITY
+    plots.quality_histograms(stats, rec["config"], png)
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
