@@ -11,6 +11,7 @@ the library versions, the fetched packages or files, the inputs.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class DryRun:
         self.last_run = _last_run(self.store, cfg.name)
         self.plans: dict[str, Plan] = {}
         self.done = False
+        self.searching = False
 
     def subflow(self, flow_, *args):
         try:
@@ -70,7 +72,8 @@ class DryRun:
         """As a run would choose, when the search is stored; else the declared mix (whose plan then has no key:
         its `search` input is rebuilt first)."""
         if search.manifest is None:
-            return cfg
+            self.searching = True  # the mix's weights are not known yet: `_explain` says so instead of a diff
+            return cfg.model_copy(update={"mix": cfg.mix.tilted(cfg.mix.weights)})
         return cfg.model_copy(update={"mix": cfg.mix.tilted(search.manifest.stats["weights"])})
 
     def vocab(self, tok: Plan) -> int:
@@ -114,7 +117,11 @@ class DryRun:
         if "key" not in prev:
             plan.reasons.append(f"{plan.against} was built by a moeflow that did not record its key parts")
             return
-        plan.reasons += keys.explain(prev["key"], parts)
+        reasons = keys.explain(prev["key"], parts)
+        if plan.stage == "mix" and self.searching:
+            reasons = [r for r in reasons if not re.match(r"config (mix\.)?(phases\.\d+\.)?weights\.", r)]
+            reasons.append("config weights: chosen by mix_search, which is rebuilt first")
+        plan.reasons += reasons
         own = [r for r in plan.reasons if not r.startswith("input ") or "->" in r]
         if not own and plan.key is None:
             plan.status = "depends"

@@ -118,5 +118,8 @@ def _a_changed_objective_reruns_the_search_only(path: Path, tmp_path: Path) -> N
     plans = {p.label: p for p in why.why(configs.load(changed))}
     assert plans["mix_search"].status == "rebuild"
     assert any("objective" in r for r in plans["mix_search"].reasons), plans["mix_search"].reasons
+    # the mix waits on the search: its weights are not diffed against the earlier choice
+    assert "config weights: chosen by mix_search, which is rebuilt first" in plans["mix"].reasons
+    assert not [r for r in plans["mix"].reasons if "weights." in r], plans["mix"].reasons
     for label in ("ingest", "filter", "dedup", "decontaminate", "tokenize", "proxy_mix0", "proxy4"):
         assert plans[label].status == "reuse", (label, plans[label].reasons)
