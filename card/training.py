@@ -99,6 +99,7 @@ def mix_search(ms: dict, ev: dict) -> dict:
                                 "predicted without it"], proxies),
         "weights_table": table(["domain", "declared", "chosen", "target epochs (estimated)"], weights),
         "objective_table": table(["", "objective"], [
+            ["chosen as", p["chosen_as"]],
             ["predicted for the chosen mix (at the proxies' scale)", f"{p['predicted_objective']:.4f}"],
             ["the target reached (its evaluate stage)", f"{actual:.4f}"]]),
     }

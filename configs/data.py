@@ -295,6 +295,8 @@ class MixSearchConfig(Frozen):
     concentration: float = Field(default=8.0, gt=0)
     # "heldout": the held-out loss averaged over domains; or domain -> weight of its held-out loss
     objective: Literal["heldout"] | dict[str, float] = "heldout"
+    # under this leave-one-out rank correlation the fit does not move the mix: the declared weights train
+    min_rank_correlation: float = Field(default=0.5, ge=-1, le=1)
 
     @field_validator("objective")
     @classmethod

@@ -8,8 +8,10 @@ target's training FLOPs. Each proxy's held-out loss per domain (on proxy 0's hel
 gives its objective. The regression is objective ~ c + sum_d b_d * log(w_d): a per-domain diminishing return,
 D + 1 coefficients from K proxies, least squares. Its out-of-sample quality is the Spearman rank correlation of
 leave-one-out predictions with the proxies' objectives. The chosen mix is the draw (among `CANDIDATES` from the
-same Dirichlet, plus the proxies' own) with the lowest predicted objective whose domains the target can train
-within `mix.max_epochs`: the search stays where its proxies looked. `search.json` pre-registers it, with its
+same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the lowest predicted
+objective whose domains the target can train within `mix.max_epochs`: the search stays where its proxies
+looked. When the leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support
+moving the mix and the declared one is kept (the record says which). `search.json` pre-registers it, with its
 time, before the target's mix is built.
 """
 
@@ -49,9 +51,8 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     mixes = [declared] + draws(declared, s.concentration, s.proxies - 1, cfg.seed)
     target, _ = ladder.flops(cfg.model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
     model = ladder._model(cfg.model, s.width, s.layers)
-    per_step, _ = ladder.flops(model, cfg.train.model_copy(update={"steps": 1}), vocab,
-                               [(1, p.seq_len) for p in cfg.phases()])
-    steps = max(s.min_steps, round(s.budget_fraction * target / s.proxies / per_step))
+    full, _ = ladder.flops(model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
+    steps = max(s.min_steps, round(s.budget_fraction * target / s.proxies / (full / cfg.train.steps)))
     train = cfg.train.model_copy(update={
         "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
         "checkpoint_every": steps})
@@ -60,6 +61,12 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
         pcfg = cfg.model_copy(update={"model": model, "train": train, "mix": cfg.mix.tilted(w)})
         f, _ = ladder.flops(model, train, vocab, [(p.steps, p.seq_len) for p in pcfg.phases()])
         out.append({"cfg": pcfg, "weights": w, "flops": f})
+    share = sum(p["flops"] for p in out) / target
+    if share > s.budget_fraction * 1.05:  # min_steps beat the budget
+        raise ConfigError(
+            f"mix.search: {s.proxies} proxies of at least {s.min_steps} steps at width {s.width} cost {share:.0%} of "
+            f"the target's training FLOPs, over mix.search.budget_fraction = {s.budget_fraction:g}; lower "
+            "proxies, width or min_steps")
     return out
 
 
@@ -99,15 +106,24 @@ def choose(s: dict, mixes: list[dict], y: list[float], domain_tokens: dict[str, 
     domains = [d for d, w in s["weights"].items() if w > 0]
     coef = fit(mixes, y, domains)
     rho, loo = loo_rank_correlation(mixes, y, domains)
-    pool = mixes + draws(s["weights"], search.concentration, CANDIDATES, s["seed"] + 1)
+    pool = mixes + [m for m in draws(s["weights"], search.concentration, CANDIDATES, s["seed"] + 1)
+                    if inside(m, mixes, domains)]
     pred = features(pool, domains) @ coef
     feasible = [i for i in np.argsort(pred) if max(epochs(pool[i], s, domain_tokens).values()) <= s["max_epochs"]]
     if not feasible:
         raise ConfigError("mix.search: no candidate mix fits mix.max_epochs; raise it or add data")
     best = int(feasible[0])
+    why = "the fit's lowest predicted objective"
+    if not rho >= search.min_rank_correlation:  # (nan too) the proxies do not support moving the mix
+        best, why = 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
     return {"coef": dict(zip(["intercept", *domains], map(float, coef))), "loo_rank_correlation": rho,
-            "loo_predicted": loo, "weights": {d: round(v, 6) for d, v in pool[best].items()},
+            "loo_predicted": loo, "weights": {d: round(v, 6) for d, v in pool[best].items()}, "chosen_as": why,
             "predicted_objective": float(pred[best]), "epochs": epochs(pool[best], s, domain_tokens)}
+
+
+def inside(m: dict[str, float], mixes: list[dict[str, float]], domains: list[str]) -> bool:
+    """Whether every weight of `m` lies within the proxies' range for its domain (the fit's trust region)."""
+    return all(min(x[d] for x in mixes) <= m[d] <= max(x[d] for x in mixes) for d in domains)
 
 
 def _domain_tokens(shards: Path) -> dict[str, int]:
