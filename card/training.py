@@ -91,6 +91,8 @@ def mix_search(ms: dict, ev: dict) -> dict:
         "proxies": len(p["proxies"]),
         "fraction": f"{p['proxy_fraction']:.1%}",
         "rho": f"{p['loo_rank_correlation']:.3f}",
+        "rho_per_domain": ", ".join(f"{d} {r:.3f}" for d, r in sorted(p["loo_rank_correlation_per_domain"].items())),
+        "objective_rho": f"{p['loo_objective_rank_correlation']:.3f}",
         "objective": "held-out loss averaged over domains" if p["objective"] == "heldout"
         else "held-out loss weighted " + ", ".join(f"{d} {w:g}" for d, w in p["objective"].items()),
         "artifact": f"mix_search-{ms['artifact']['hash']}",

@@ -5,12 +5,14 @@ RegMix's recipe at this project's scale. Proxy 0 trains on the declared weights,
 proxy is the target's recipe at `width` x `layers`, on its own mix of the whole curriculum (each phase's
 weights tilted by the draw: `MixConfig.tilted`), and all of them together cost `budget_fraction` of the
 target's training FLOPs. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all)
-gives its objective. The regression is objective ~ c + sum_d b_d * log(w_d): a per-domain diminishing return,
-D + 1 coefficients from K proxies, least squares. Its out-of-sample quality is the Spearman rank correlation of
-leave-one-out predictions with the proxies' objectives. The chosen mix is the draw (among `CANDIDATES` from the
-same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the lowest predicted
-objective whose domains the target can train within `mix.max_epochs`: the search stays where its proxies
-looked. When the leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support
+are what the regression fits, per domain: loss_d ~ c_d + b_d * log(w_d), a domain's diminishing return on its own
+share (two coefficients a domain from K proxies, least squares; its predicted objective reduces the predicted
+losses as `objective` says). Its out-of-sample quality is the Spearman rank correlation of leave-one-out
+predictions with the proxies' domain losses, averaged over domains (the objective's own is recorded beside it:
+the objective moves least of all, as its domains pull against each other). The chosen mix is the draw (among
+`CANDIDATES` from the same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the
+lowest predicted objective whose domains the target can train within `mix.max_epochs`: the search stays where
+its proxies looked. When the leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support
 moving the mix and the declared one is kept (the record says which). `search.json` pre-registers it, with its
 time, before the target's mix is built.
 """
@@ -70,24 +72,31 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     return out
 
 
-def features(mixes: list[dict[str, float]], domains: list[str]) -> np.ndarray:
-    return np.array([[1.0] + [np.log(max(m[d], FLOOR)) for d in domains] for m in mixes])
+def fit(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str]) -> dict:
+    """Per domain, its held-out loss ~ c_d + b_d * log(w_d), by least squares over the proxies."""
+    law = {}
+    for d in domains:
+        x = np.log([max(m[d], FLOOR) for m in mixes])
+        (c, b), *_ = np.linalg.lstsq(np.c_[np.ones(len(x)), x], [loss[d] for loss in losses], rcond=None)
+        law[d] = (float(c), float(b))
+    return law
 
 
-def fit(mixes: list[dict[str, float]], y: list[float], domains: list[str]) -> np.ndarray:
-    coef, *_ = np.linalg.lstsq(features(mixes, domains), np.asarray(y), rcond=None)
-    return coef
+def predict(law: dict, mixes: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{d: c + b * float(np.log(max(m[d], FLOOR))) for d, (c, b) in law.items()} for m in mixes]
 
 
-def loo_rank_correlation(mixes: list[dict[str, float]], y: list[float], domains: list[str]) -> tuple[float, list]:
-    """Spearman's rho of each proxy's objective predicted by a fit on the others, and those predictions."""
-    pred = []
+def loo(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str]) -> list[dict]:
+    """Each proxy's domain losses as predicted by a fit on the other proxies."""
+    out = []
     for k in range(len(mixes)):
         rest = [i for i in range(len(mixes)) if i != k]
-        coef = fit([mixes[i] for i in rest], [y[i] for i in rest], domains)
-        pred.append(float(features([mixes[k]], domains)[0] @ coef))
-    rho = spearmanr(pred, y).statistic if len(set(y)) > 1 else float("nan")
-    return float(rho), pred
+        out += predict(fit([mixes[i] for i in rest], [losses[i] for i in rest], domains), [mixes[k]])
+    return out
+
+
+def _rho(a: list[float], b: list[float]) -> float:
+    return float(spearmanr(a, b).statistic) if len(set(a)) > 1 and len(set(b)) > 1 else float("nan")
 
 
 def epochs(w: dict[str, float], s: dict, domain_tokens: dict[str, int]) -> dict[str, float]:
@@ -100,30 +109,34 @@ def epochs(w: dict[str, float], s: dict, domain_tokens: dict[str, int]) -> dict[
     return {d: n / max(1.0, domain_tokens.get(d, 0) * (1 - s["heldout_fraction"])) for d, n in need.items()}
 
 
-def choose(s: dict, mixes: list[dict], y: list[float], domain_tokens: dict[str, int]) -> dict:
-    """The fit, its leave-one-out rank correlation, and the feasible candidate it predicts best."""
+def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_tokens: dict[str, int]) -> dict:
+    """The per-domain fit, its leave-one-out rank correlations, and the feasible candidate it predicts best."""
     search = s["search"]
     domains = [d for d, w in s["weights"].items() if w > 0]
-    coef = fit(mixes, y, domains)
-    rho, loo = loo_rank_correlation(mixes, y, domains)
+    law, held = fit(mixes, losses, domains), loo(mixes, losses, domains)
+    per_domain = {d: _rho([p[d] for p in held], [loss[d] for loss in losses]) for d in domains}
+    rho = float(np.mean(list(per_domain.values())))
+    seen = [{d: loss[d] for d in domains} for loss in losses]
+    objective_rho = _rho([search.reduce(p) for p in held], [search.reduce(x) for x in seen])
     pool = mixes + [m for m in draws(s["weights"], search.concentration, CANDIDATES, s["seed"] + 1)
                     if inside(m, mixes, domains)]
-    pred = features(pool, domains) @ coef
+    pred = np.array([search.reduce(p) for p in predict(law, pool)])
     feasible = [i for i in np.argsort(pred) if max(epochs(pool[i], s, domain_tokens).values()) <= s["max_epochs"]]
     if not feasible:
         raise ConfigError("mix.search: no candidate mix fits mix.max_epochs; raise it or add data")
-    best = int(feasible[0])
-    why = "the fit's lowest predicted objective"
+    best, why = int(feasible[0]), "the fit's lowest predicted objective"
     if not rho >= search.min_rank_correlation:  # (nan too) the proxies do not support moving the mix
         best, why = 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
-    return {"coef": dict(zip(["intercept", *domains], map(float, coef))), "loo_rank_correlation": rho,
-            "loo_predicted": loo, "weights": {d: round(v, 6) for d, v in pool[best].items()}, "chosen_as": why,
-            "predicted_objective": float(pred[best]), "epochs": epochs(pool[best], s, domain_tokens)}
+    return {"law": {d: {"c": c, "b": b} for d, (c, b) in law.items()}, "loo_rank_correlation": rho,
+            "loo_rank_correlation_per_domain": per_domain, "loo_objective_rank_correlation": objective_rho,
+            "loo_predicted": [search.reduce(p) for p in held], "chosen_as": why,
+            "weights": {d: round(v, 6) for d, v in pool[best].items()}, "predicted_objective": float(pred[best]),
+            "epochs": epochs(pool[best], s, domain_tokens)}
 
 
 def inside(m: dict[str, float], mixes: list[dict[str, float]], domains: list[str]) -> bool:
     """Whether every weight of `m` lies within the proxies' range for its domain (the fit's trust region)."""
-    return all(min(x[d] for x in mixes) <= m[d] <= max(x[d] for x in mixes) for d in domains)
+    return all(min(x[d] for x in mixes) - 1e-6 <= m[d] <= max(x[d] for x in mixes) + 1e-6 for d in domains)
 
 
 def _domain_tokens(shards: Path) -> dict[str, int]:
@@ -149,7 +162,7 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         rows.append({"proxy": name, "weights": w, "flops": stats["flops"], "steps": stats["steps"],
                      "heldout": {d: v["loss"] for d, v in held["heldout"].items()}})
         rows[-1]["objective"] = search.reduce(rows[-1]["heldout"])
-    chosen = choose(s, mixes, [r["objective"] for r in rows], _domain_tokens(inputs["shards"].dir))
+    chosen = choose(s, mixes, [r["heldout"] for r in rows], _domain_tokens(inputs["shards"].dir))
     vocab = tokenizer.load(inputs["tokenizer"].dir).get_vocab_size()
     target, _ = ladder.flops(s["model"], s["train"], vocab, [(p.steps, p.seq_len) for p in s["phases"]])
     result = {"registered_at": datetime.now(UTC).isoformat(timespec="seconds"),

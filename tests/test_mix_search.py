@@ -24,20 +24,24 @@ def test_draws_are_seeded_and_leave_unused_domains_out():
     assert all(abs(mean[d] - DECLARED[d]) < 0.1 for d in DOMAINS)  # drawn around the declared mix
 
 
-def _law(m: dict) -> float:
-    return 3.0 - 0.2 * np.log(m["a"]) - 0.05 * np.log(m["b"]) - 0.01 * np.log(m["c"])
+LAW = {"a": (3.0, -0.2), "b": (3.5, -0.05), "c": (4.0, -0.3)}
 
 
-def test_the_fit_recovers_a_log_law_and_ranks_proxies_it_did_not_see():
+def _losses(mixes: list[dict], noise: float = 0.002, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{d: c + b * np.log(m[d]) + rng.normal(0, noise) for d, (c, b) in LAW.items()} for m in mixes]
+
+
+def test_the_fit_recovers_each_domains_law_and_ranks_proxies_it_did_not_see():
     mixes = [DECLARED] + mix_search.draws(DECLARED, 8.0, 11, seed=0)
-    rng = np.random.default_rng(0)
-    y = [_law(m) + rng.normal(0, 0.002) for m in mixes]
-    coef = mix_search.fit(mixes, y, DOMAINS)
-    assert np.allclose(coef, [3.0, -0.2, -0.05, -0.01], atol=0.02)
-    rho, loo = mix_search.loo_rank_correlation(mixes, y, DOMAINS)
-    assert rho > 0.9 and len(loo) == len(mixes)
-    rho_noise, _ = mix_search.loo_rank_correlation(mixes, list(rng.normal(0, 1, len(mixes))), DOMAINS)
-    assert rho_noise < rho
+    losses = _losses(mixes)
+    law = mix_search.fit(mixes, losses, DOMAINS)
+    assert all(np.allclose(law[d], LAW[d], atol=0.02) for d in DOMAINS)
+    held = mix_search.loo(mixes, losses, DOMAINS)
+    assert all(mix_search._rho([p[d] for p in held], [x[d] for x in losses]) > 0.9 for d in DOMAINS)
+    noise = [{d: 7.0 + e for d, e in zip(DOMAINS, row)} for row in np.random.default_rng(0).normal(0, 1, (12, 3))]
+    held = mix_search.loo(mixes, noise, DOMAINS)
+    assert np.mean([mix_search._rho([p[d] for p in held], [x[d] for x in noise]) for d in DOMAINS]) < 0.5
 
 
 def _slice(**over) -> dict:
@@ -51,7 +55,8 @@ def _slice(**over) -> dict:
 def test_the_choice_stays_within_max_epochs():
     s = _slice()
     mixes = [s["weights"]] + mix_search.draws(s["weights"], 8.0, 7, seed=0)
-    y = [3.0 - 0.3 * np.log(m["literature"]) for m in mixes]  # more literature is always better
+    y = [{"literature": 3.0 - 0.3 * np.log(m["literature"]), "python_docs": 3.0 - 0.01 * np.log(m["python_docs"]),
+          "kernel_docs": 3.0 - 0.01 * np.log(m["kernel_docs"])} for m in mixes]  # literature gains most
     tokens = sum(p.steps * 8 * p.seq_len for p in s["phases"])
     plenty = {"literature": 10 * tokens, "python_docs": 10 * tokens, "kernel_docs": 10 * tokens}
     free = mix_search.choose(s, mixes, y, plenty)
@@ -69,7 +74,8 @@ def test_without_out_of_sample_support_the_declared_mix_is_kept():
     s = _slice()
     mixes = [s["weights"]] + mix_search.draws(s["weights"], 8.0, 7, seed=0)
     plenty = {d: 10**9 for d in s["weights"]}
-    noise = list(np.random.default_rng(0).normal(7.0, 0.01, len(mixes)))  # (its rho: -0.81)
+    noise = [{d: 7.0 + e for d, e in zip(s["weights"], row)}
+             for row in np.random.default_rng(0).normal(0, 0.01, (len(mixes), 3))]
     kept = mix_search.choose(s, mixes, noise, plenty)
     assert kept["loo_rank_correlation"] < 0.5
     assert kept["weights"] == pytest.approx(s["weights"]) and kept["chosen_as"].startswith("declared")
