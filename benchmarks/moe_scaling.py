@@ -1,9 +1,10 @@
 """MoE layer throughput: expert-count scaling at fixed active parameters; dense MLP and per-token baselines.
 
 Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R] [--device cpu|cuda] [--precision
-fp32|bf16]` (default 4096 and 16384 tokens, on the CPU, fp32; `make gpu-check` runs it with `--device cuda
---precision bf16`). Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2,
-SwiGLU, all cores; bf16: under autocast, as training runs it) for 8, 16, 32 and 64 experts; the same layer
+fp32|bf16] [--threads N]` (default 4096 and 16384 tokens, on the CPU, fp32, all cores; `make gpu-check` runs
+it with `--device cuda --precision bf16`; `--threads 1` on a shared machine, where other processes make
+multi-threaded CPU timings erratic). Forward + backward tokens/s of the reference dropless layer (H=256,
+F=512, top-2, SwiGLU; bf16: under autocast, as training runs it) for 8, 16, 32 and 64 experts; the same layer
 against a dense SwiGLU MLP of equal active width (2 x 512) done in bare PyTorch; and against a per-token
 Python loop over the same weights (a sanity floor). Each figure is the fastest of `repeats` timed passes
 after two warm-up passes (the least disturbed one). The last line printed is one JSON object; `*_ratio`
@@ -102,9 +103,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: under autocast")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     args = p.parse_args()
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: give 1 or more (default: all {os.cpu_count()} cores)")
     dev = torch.device(args.device)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     figures: dict[str, float] = {
         "threads": torch.get_num_threads(),
         "hidden": H,
