@@ -1,14 +1,14 @@
 """Experts as one grouped MLP over tokens sorted by expert (MegaBlocks layout: w1, v1, w2 as [E*F, D]).
 
 Legend: T tokens (sorted by expert), D model width, F expert hidden width, E experts.
-On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP in turn, forward and backward
-(benchmarks/moe_scaling.py: 64 experts against 8 at fixed active parameters): a row block and its
-hidden activations stay in cache between the three matmuls and the activation, and each weight gradient
-is written once, in place. Elsewhere `grouped_linear` has two paths: `torch.nn.functional.grouped_mm`
-over the jagged groups when the shapes meet its 16-byte stride rule, else a loop over unbound experts
-(never index `w[e]` per expert: each index's backward writes a full-size gradient). Both compute the
-same products in the same order: on the CPU the outputs and gradients are those of the grouped_mm path
-(tests/test_moe.py compares them).
+On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP in turn, forward and backward. It
+saves the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors;
+at 16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
+writes each weight gradient once, in place. Elsewhere `grouped_linear` has two paths:
+`torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
+a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
+gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
+those of the grouped_mm path (tests/test_moe.py compares them).
 
 Autocast has no kernel for `aten::_grouped_mm` (nor for a loop's matmuls over views it did not cast), so
 under `train.precision: bf16` the experts would compute in float32 (on CUDA: PyTorch's per-group
