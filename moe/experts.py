@@ -44,9 +44,9 @@ def grouped_linear(
     return torch.cat(parts) if parts else x_TK.new_zeros(0, w_EKN.shape[-1])
 
 
-def _rows(t: torch.Tensor | None, counts: list[int]) -> list[torch.Tensor | None]:
-    """Each expert's block of rows (views); None for each expert where there is no tensor (no GLU)."""
-    return [None] * len(counts) if t is None else list(t.split(counts))
+def _rows(t: torch.Tensor | None, cuts: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each expert's block of rows (views; `cuts`: where blocks 1.. start); None for each without a tensor."""
+    return [None] * (len(cuts) + 1) if t is None else list(t.tensor_split(cuts))
 
 
 def _each(w: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
@@ -75,31 +75,32 @@ def _mlp_backward(x, dy, h1, w1, w2, dx, dw1, dw2) -> None:
 
 
 class _ExpertLoop(torch.autograd.Function):
-    """[A, D] rows sorted by expert -> [A, D]; w1, v1 (None without GLU), w2 as [E, F, D]; counts per expert.
-    Saves the rows and the pre-activations (h1, h2), not the activations: the backward recomputes them."""
+    """[A, D] rows sorted by expert -> [A, D]; w1, v1 (None without GLU), w2 as [E, F, D]; `cuts` [E - 1]: the
+    rows where experts 1.. start, a CPU tensor (tensor_split reads it in C++: the layer's host reads stay one
+    per micro-batch, tests/test_numerics.py). Saves the rows and the pre-activations (h1, h2), not the
+    activations: the backward recomputes them."""
 
     @staticmethod
-    def forward(ctx, x, w1, v1, w2, counts: list[int]):
+    def forward(ctx, x, w1, v1, w2, cuts: torch.Tensor):
         h1, y = x.new_empty(x.shape[0], w1.shape[1]), torch.empty_like(x)
-        h2, n = (None if v1 is None else torch.empty_like(h1)), len(counts)
-        for xe, h1e, h2e, ye, w1e, v1e, w2e in zip(x.split(counts), h1.split(counts), _rows(h2, counts),
-                                                  y.split(counts), w1.unbind(0), _each(v1, n), w2.unbind(0)):
+        h2, n = (None if v1 is None else torch.empty_like(h1)), w1.shape[0]
+        for xe, h1e, h2e, ye, w1e, v1e, w2e in zip(*(_rows(t, cuts) for t in (x, h1, h2, y)),
+                                                  w1.unbind(0), _each(v1, n), w2.unbind(0)):
             torch.mm(xe, w1e.T, out=h1e)
             if h2e is None:
                 torch.mm(F.gelu(h1e), w2e, out=ye)
             else:
                 torch.mm(F.silu(h1e) * torch.mm(xe, v1e.T, out=h2e), w2e, out=ye)
-        ctx.save_for_backward(x, w1, v1, w2, h1, h2)
-        ctx.counts = counts
+        ctx.save_for_backward(x, w1, v1, w2, h1, h2, cuts)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w1, v1, w2, h1, h2 = ctx.saved_tensors
-        counts, n = ctx.counts, len(ctx.counts)
+        x, w1, v1, w2, h1, h2, cuts = ctx.saved_tensors
+        n = w1.shape[0]
         dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
         dv1 = None if v1 is None else torch.empty_like(v1)
-        rows = zip(x.split(counts), dy.split(counts), h1.split(counts), _rows(h2, counts), dx.split(counts))
+        rows = zip(*(_rows(t, cuts) for t in (x, dy, h1, h2, dx)))
         weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0), dw1.unbind(0), _each(dv1, n), dw2.unbind(0))
         for (xe, dye, h1e, h2e, dxe), (w1e, v1e, w2e, dw1e, dv1e, dw2e) in zip(rows, weights):
             if h2e is None:
@@ -131,7 +132,7 @@ class GroupedMLP(nn.Module):
             v1 = None if self.v1 is None else self.v1.to(dtype).view(E, F_, D)
             with torch.autocast(kind, enabled=False):  # operands are cast already; `out=` ops refuse autocast
                 y = _ExpertLoop.apply(x, self.w1.to(dtype).view(E, F_, D), v1, self.w2.to(dtype).view(E, F_, D),
-                                      tokens_per_expert_E.tolist())
+                                      tokens_per_expert_E.cumsum(0)[:-1])
             return y.to(x_TD.dtype)
         w1_EDF, w2 = self.w1.to(dtype).view(E, F_, D).transpose(-2, -1), self.w2.to(dtype).view(E, F_, D)
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
