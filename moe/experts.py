@@ -130,7 +130,7 @@ class GroupedMLP(nn.Module):
         x = x_TD.to(dtype)
         if kind == "cpu":
             v1 = None if self.v1 is None else self.v1.to(dtype).view(E, F_, D)
-            with torch.autocast(kind, enabled=False):  # operands are cast already; `out=` ops refuse autocast
+            with torch.autocast(kind, enabled=False):  # the operands are cast already: nothing for it to recast
                 y = _ExpertLoop.apply(x, self.w1.to(dtype).view(E, F_, D), v1, self.w2.to(dtype).view(E, F_, D),
                                       tokens_per_expert_E.cumsum(0)[:-1])
             return y.to(x_TD.dtype)
