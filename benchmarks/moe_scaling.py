@@ -1,12 +1,16 @@
 """MoE layer throughput: expert-count scaling at fixed active parameters; dense MLP and per-token baselines.
 
 Run: `python benchmarks/moe_scaling.py [--tokens N ...] [--repeats R] [--device cpu|cuda] [--precision
-fp32|bf16]` (default 4096 and 16384 tokens, on the CPU, fp32; `make gpu-check` runs it with `--device cuda
---precision bf16`). Forward + backward tokens/s of the reference dropless layer (H=256, F=512, top-2,
-SwiGLU, all cores; bf16: under autocast, as training runs it) for 8, 16, 32 and 64 experts; the same layer
+fp32|bf16] [--threads N]` (default 4096 and 16384 tokens, on the CPU, fp32, all cores; `make gpu-check` runs
+it with `--device cuda --precision bf16`; `--threads 1` on a shared machine, where other processes make
+multi-threaded CPU timings erratic). Forward + backward tokens/s of the reference dropless layer (H=256,
+F=512, top-2, SwiGLU; bf16: under autocast, as training runs it) for 8, 16, 32 and 64 experts; the same layer
 against a dense SwiGLU MLP of equal active width (2 x 512) done in bare PyTorch; and against a per-token
 Python loop over the same weights (a sanity floor). Each figure is the fastest of `repeats` timed passes
-after two warm-up passes (the least disturbed one). The last line printed is one JSON object; `*_ratio`
+after two warm-up passes (the least disturbed one); `*_page_faults_per_pass` counts the process's minor page
+faults per timed pass (glibc gives every freed block of 32 MiB or more back to the system, so a tensor that
+large is faulted in afresh, zeroed page by page, each time it is made again: at 64 experts each weight
+gradient is 32 MiB). The last line printed is one JSON object; `*_ratio`
 figures compare with the bare-PyTorch dense MLP; `expert_matmul_dtype` is the dtype the experts' matmuls ran
 in during the timed passes (bf16 must show bfloat16: autocast has no grouped-matmul kernel, the experts cast
 themselves).
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from contextlib import nullcontext
 
@@ -34,7 +39,9 @@ def _sync(x: torch.Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
-def tokens_per_s(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
+def tokens_per_s(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Tokens/s of the least disturbed timed pass, and the process's minor page faults per timed pass."""
+
     def step():
         out = module(x)
         y = out[0] if isinstance(out, tuple) else out
@@ -43,12 +50,13 @@ def tokens_per_s(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> floa
 
     for _ in range(2):
         step()
-    times = []
+    times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return x.shape[0] / min(times)  # the least disturbed repeat, as timeit does
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return x.shape[0] / min(times), faults / repeats  # the least disturbed repeat, as timeit does
 
 
 def per_token_loop(layer: MoE, x: torch.Tensor) -> float:
@@ -76,12 +84,13 @@ def scaling(tokens: int, repeats: int, dev: torch.device, precision: str) -> dic
     out: dict = {}
     dense = SharedExpert(H, K * F, glu=True).to(dev)
     with _precision(dev, precision):
-        out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats), 1)
+        out["dense_tokens_per_s"] = round(tokens_per_s(dense, x.clone().requires_grad_(), repeats)[0], 1)
     dtypes: set[str] = set()
     for e in (8, 16, 32, 64):
         layer = MoE(ModelConfig(d_model=H, n_heads=4, num_experts=e, top_k=K, expert_hidden=F)).to(dev)
         with matmul_dtypes(layer) as seen, _precision(dev, precision):
-            out[f"e{e}_tokens_per_s"] = round(tokens_per_s(layer, x.clone().requires_grad_(), repeats), 1)
+            speed, faults = tokens_per_s(layer, x.clone().requires_grad_(), repeats)
+        out[f"e{e}_tokens_per_s"], out[f"e{e}_page_faults_per_pass"] = round(speed, 1), round(faults)
         dtypes |= seen
     out["expert_matmul_dtype"] = ",".join(sorted(dtypes))
     for e in (16, 32, 64):
@@ -90,7 +99,8 @@ def scaling(tokens: int, repeats: int, dev: torch.device, precision: str) -> dic
     print(
         f"{tokens:6d} tokens: dense {out['dense_tokens_per_s']:.0f} tokens/s; "
         + "; ".join(f"{e} experts {out[f'e{e}_tokens_per_s']:.0f}" for e in (8, 16, 32, 64))
-        + f"; 64 vs 8 experts {out['e64_vs_e8']}; MoE(8) / dense {out['moe_e8_vs_dense_ratio']}",
+        + f"; 64 vs 8 experts {out['e64_vs_e8']}; MoE(8) / dense {out['moe_e8_vs_dense_ratio']}"
+        + f"; page faults per pass (8, 64 experts) {out['e8_page_faults_per_pass']}, {out['e64_page_faults_per_pass']}",
         flush=True,
     )
     return out
@@ -102,9 +112,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: under autocast")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     args = p.parse_args()
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: give 1 or more (default: all {os.cpu_count()} cores)")
     dev = torch.device(args.device)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     figures: dict[str, float] = {
         "threads": torch.get_num_threads(),
         "hidden": H,

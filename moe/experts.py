@@ -1,9 +1,14 @@
 """Experts as one grouped MLP over tokens sorted by expert (MegaBlocks layout: w1, v1, w2 as [E*F, D]).
 
 Legend: T tokens (sorted by expert), D model width, F expert hidden width, E experts.
-One entry point, `grouped_linear`, with two paths: `torch.nn.functional.grouped_mm` over the
-jagged groups when the shapes meet its 16-byte stride rule, else a loop over unbound experts
-(never index `w[e]` per expert: each index's backward writes a full-size gradient).
+On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP in turn, forward and backward. It
+saves the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors;
+at 16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
+writes each weight gradient once, in place. Elsewhere `grouped_linear` has two paths:
+`torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
+a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
+gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
+those of the grouped_mm path (tests/test_moe.py compares them).
 
 Autocast has no kernel for `aten::_grouped_mm` (nor for a loop's matmuls over views it did not cast), so
 under `train.precision: bf16` the experts would compute in float32 (on CUDA: PyTorch's per-group
@@ -39,6 +44,72 @@ def grouped_linear(
     return torch.cat(parts) if parts else x_TK.new_zeros(0, w_EKN.shape[-1])
 
 
+def _rows(t: torch.Tensor | None, cuts: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each expert's block of rows (views; `cuts`: where blocks 1.. start); None for each without a tensor."""
+    return [None] * (len(cuts) + 1) if t is None else list(t.tensor_split(cuts))
+
+
+def _each(w: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
+    """Each expert's [F, D] weight (views) of an [E, F, D] tensor; None for each without one."""
+    return [None] * n if w is None else list(w.unbind(0))
+
+
+def _glu_backward(x, dy, h1, h2, w1, v1, w2, dx, dw1, dv1, dw2) -> None:
+    """One expert's block, as autograd differentiates mm(silu(x w1^T) * (x v1^T), w2)."""
+    act = F.silu(h1)
+    torch.mm((act * h2).T, dy, out=dw2)
+    da = dy @ w2.T
+    dh2 = da * act
+    dh1 = torch.ops.aten.silu_backward(da * h2, h1)
+    torch.mm(dh2.T, x, out=dv1)
+    torch.mm(dh1.T, x, out=dw1)
+    torch.add(dh1 @ w1, dh2 @ v1, out=dx)  # two products, then one sum: autograd's order for x's two uses
+
+
+def _mlp_backward(x, dy, h1, w1, w2, dx, dw1, dw2) -> None:
+    """One expert's block, as autograd differentiates mm(gelu(x w1^T), w2)."""
+    torch.mm(F.gelu(h1).T, dy, out=dw2)
+    dh1 = torch.ops.aten.gelu_backward(dy @ w2.T, h1)
+    torch.mm(dh1.T, x, out=dw1)
+    torch.mm(dh1, w1, out=dx)
+
+
+class _ExpertLoop(torch.autograd.Function):
+    """[A, D] rows sorted by expert -> [A, D]; w1, v1 (None without GLU), w2 as [E, F, D]; `cuts` [E - 1]: the
+    rows where experts 1.. start, a CPU tensor (tensor_split reads it in C++: the layer's host reads stay one
+    per micro-batch, tests/test_numerics.py). Saves the rows and the pre-activations (h1, h2), not the
+    activations: the backward recomputes them."""
+
+    @staticmethod
+    def forward(ctx, x, w1, v1, w2, cuts: torch.Tensor):
+        h1, y = x.new_empty(x.shape[0], w1.shape[1]), torch.empty_like(x)
+        h2, n = (None if v1 is None else torch.empty_like(h1)), w1.shape[0]
+        for xe, h1e, h2e, ye, w1e, v1e, w2e in zip(*(_rows(t, cuts) for t in (x, h1, h2, y)),
+                                                  w1.unbind(0), _each(v1, n), w2.unbind(0)):
+            torch.mm(xe, w1e.T, out=h1e)
+            if h2e is None:
+                torch.mm(F.gelu(h1e), w2e, out=ye)
+            else:
+                torch.mm(F.silu(h1e) * torch.mm(xe, v1e.T, out=h2e), w2e, out=ye)
+        ctx.save_for_backward(x, w1, v1, w2, h1, h2, cuts)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, v1, w2, h1, h2, cuts = ctx.saved_tensors
+        n = w1.shape[0]
+        dx, dw1, dw2 = torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2)
+        dv1 = None if v1 is None else torch.empty_like(v1)
+        rows = zip(*(_rows(t, cuts) for t in (x, dy, h1, h2, dx)))
+        weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0), dw1.unbind(0), _each(dv1, n), dw2.unbind(0))
+        for (xe, dye, h1e, h2e, dxe), (w1e, v1e, w2e, dw1e, dv1e, dw2e) in zip(rows, weights):
+            if h2e is None:
+                _mlp_backward(xe, dye, h1e, w1e, w2e, dxe, dw1e, dw2e)
+            else:
+                _glu_backward(xe, dye, h1e, h2e, w1e, v1e, w2e, dxe, dw1e, dv1e, dw2e)
+        return dx, dw1, dv1, dw2, None
+
+
 class GroupedMLP(nn.Module):
     """Parameter holder named like MegaBlocks' `experts.mlp` so state dicts load into either backend."""
 
@@ -57,6 +128,12 @@ class GroupedMLP(nn.Module):
         kind = x_TD.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_TD.dtype
         x = x_TD.to(dtype)
+        if kind == "cpu":
+            v1 = None if self.v1 is None else self.v1.to(dtype).view(E, F_, D)
+            with torch.autocast(kind, enabled=False):  # the operands are cast already: nothing for it to recast
+                y = _ExpertLoop.apply(x, self.w1.to(dtype).view(E, F_, D), v1, self.w2.to(dtype).view(E, F_, D),
+                                      tokens_per_expert_E.cumsum(0)[:-1])
+            return y.to(x_TD.dtype)
         w1_EDF, w2 = self.w1.to(dtype).view(E, F_, D).transpose(-2, -1), self.w2.to(dtype).view(E, F_, D)
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
         # the split sizes cost a host sync: only the loop path (shapes grouped_mm refuses) asks for them
