@@ -10,8 +10,8 @@ Reasons are datatrove's strings. What "the same" means, statistic by statistic:
   its characters;
 - duplicated n-grams: windows of n words joined with no separator (so "ab c" and "a bc" are one n-gram),
   scanned left to right, a window already seen counting its characters and the scan jumping past it;
-  windows are compared by a 64-bit polynomial hash of their characters and a hash match is confirmed on
-  the characters themselves (a collision falls back to comparing strings);
+  windows are grouped by a polynomial hash of their characters and a match within a group is confirmed on
+  the characters themselves;
 - C4 splits a line into sentences (datatrove's spaCy sentencizer) only while the document has fewer
   sentences than it needs: every kept line adds at least one.
 benchmarks/corpus_scale.py and tests/test_filters_dedup.py measure the decisions against the blocks'.
@@ -20,6 +20,7 @@ benchmarks/corpus_scale.py and tests/test_filters_dedup.py measure the decisions
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 from functools import cached_property
@@ -50,6 +51,10 @@ class Split:
         out = np.zeros(self.n + 1, np.int64)
         np.cumsum(np.fromiter(map(len, self.words), np.int64, self.n), out=out[1:])
         return out
+
+    @cached_property
+    def offset_list(self) -> list[int]:
+        return self.offsets.tolist()
 
     @cached_property
     def joined(self) -> str:
@@ -118,58 +123,46 @@ def top_ngram_chars(split: Split, n: int) -> int | None:
         keys = np.zeros(count, np.int64)
         for k in range(n):
             keys = keys * len(distinct) + ids[k:k + count]
-        _, first, counts = np.unique(keys, return_index=True, return_counts=True)
-        most = counts.max()
-        at = int(first[counts == most].min())
+        grams, counts = np.unique(keys, return_counts=True)
+        most = int(counts.max())
+        at = 0 if most == 1 else int(np.flatnonzero(np.isin(keys, grams[counts == most]))[0])
     else:
         grams = Counter(zip(*(split.words[k:k + count] for k in range(n))))
         gram, most = max(grams.items(), key=lambda kv: kv[1])  # the first of the most frequent
         at = next(i for i in range(count) if tuple(split.words[i:i + n]) == gram)
-    return int(split.offsets[at + n] - split.offsets[at] + n - 1) * int(most)
+    return int(split.offsets[at + n] - split.offsets[at] + n - 1) * most
 
 
 def repeated_chars(split: Split, n: int) -> int:
     """Characters of the windows of n words (joined with no separator) already seen, the scan jumping n words
-    past each. Only windows whose hash occurred before are visited: a window is a repeat when an earlier one
-    with its characters was seen (not jumped over)."""
-    hashes = split.window_hashes(n) if split.n >= n else np.zeros(0, np.uint64)
-    order = np.argsort(hashes, kind="stable")  # by hash, then by position
-    ranked = hashes[order]
+    past each. Only windows whose hash occurred before are visited: a window repeats when an earlier window
+    with the same characters was seen (not jumped over)."""
+    count = max(0, split.n - n + 1)
+    bits = max(1, count.bit_length())
+    # a window's key: its hash's top bits, then its position, so sorting groups equal hashes in position order
+    keys = np.sort((split.window_hashes(n) >> np.uint64(bits) << np.uint64(bits)) | np.arange(count, dtype=np.uint64)
+                   if count else np.zeros(0, np.uint64))
+    ranked = keys >> np.uint64(bits)
     later = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1  # ranks of windows whose hash occurred before
     if not len(later):
         return 0
-    starts = np.zeros(len(ranked), np.int64)
-    starts[later] = -1
-    group = np.maximum.accumulate(np.where(starts == 0, np.arange(len(ranked)), 0))  # rank of the hash's first
-    visit = later[np.argsort(order[later], kind="stable")]  # those ranks in position order
-    positions, off, joined = order.tolist(), split.offsets.tolist(), split.joined
-    jumped = bytearray(len(ranked))
-    total = after = 0
-    for rank, first in zip(visit.tolist(), group[visit].tolist()):
-        i = positions[rank]
-        if i < after:
-            continue
-        seen = next((j for j in positions[first:rank] if not jumped[j]), None)
-        if seen is None:
-            continue
-        if joined[off[seen]:off[seen + n]] != joined[off[i]:off[i + n]]:
-            return _repeated_chars_by_strings(split.words, n)  # a hash collision
-        total += off[i + n] - off[i]
-        after = i + n
-        jumped[i:after] = b"\x01" * (min(after, len(jumped)) - i)
-    return total
-
-
-def _repeated_chars_by_strings(words: list[str], n: int) -> int:
-    seen: set[str] = set()
-    total, i = 0, 0
-    while i < len(words) - n + 1:
-        gram = "".join(words[i:i + n])
-        if gram in seen:
-            total, i = total + len(gram), i + n
+    positions = (keys & np.uint64((1 << bits) - 1)).astype(np.int64)
+    starts = np.ones(count, bool)
+    starts[later] = False
+    group = np.maximum.accumulate(np.where(starts, np.arange(count), 0))  # the rank of the hash's first window
+    visit = later[np.argsort(positions[later], kind="stable")]
+    at, ranks, firsts, where = positions[visit].tolist(), visit.tolist(), group[visit].tolist(), positions.tolist()
+    off, joined, jumped = split.offset_list, split.joined, bytearray(count)
+    total = k = 0
+    while k < len(at):
+        i, earlier = at[k], map(where.__getitem__, range(firsts[k], ranks[k]))  # same hash, in position order
+        window = joined[off[i]:off[i + n]]
+        if any(not jumped[j] and joined[off[j]:off[j + n]] == window for j in earlier):
+            total += off[i + n] - off[i]
+            jumped[i:i + n] = b"\x01" * (min(i + n, count) - i)
+            k = bisect_left(at, i + n, k + 1)  # the windows it jumps over are not visited
         else:
-            seen.add(gram)
-            i += 1
+            k += 1
     return total
 
 
