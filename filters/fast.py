@@ -88,9 +88,9 @@ class Split:
     def word_flags(self) -> tuple[np.ndarray, np.ndarray]:
         """Per word: has a character outside datatrove's punctuation, has a letter."""
         ids, distinct = self.ids
-        symbol = np.fromiter((not PUNCTUATION_SET.issuperset(w) for w in distinct), bool, len(distinct))
+        wordy = np.fromiter((not PUNCTUATION_SET.issuperset(w) for w in distinct), bool, len(distinct))
         alpha = np.fromiter((any(map(str.isalpha, w)) for w in distinct), bool, len(distinct))
-        return symbol[ids], alpha[ids]
+        return wordy[ids], alpha[ids]
 
 
 class Words:
@@ -203,13 +203,13 @@ def quality(block: dt.GopherQualityFilter, words: Words) -> Callable[[Document],
 
     def check(doc: Document) -> Verdict:
         text, split = doc.text, words(doc.text)
-        symbol, alpha = split.word_flags()
-        kept = int(symbol.sum())
+        wordy, alpha = split.word_flags()
+        kept = int(wordy.sum())
         if block.min_doc_words and kept < block.min_doc_words:
             return False, "gopher_short_doc"
         if block.max_doc_words and kept > block.max_doc_words:
             return False, "gopher_long_doc"
-        lengths = np.diff(split.offsets)[symbol]
+        lengths = np.diff(split.offsets)[wordy]
         mean = int(lengths.sum()) / kept if kept else math.nan
         if block.min_avg_word_length and mean < block.min_avg_word_length:
             return False, "gopher_below_avg_threshold"
@@ -316,3 +316,12 @@ def _c4_line(block: dt.C4QualityFilter, line: str) -> str | None | tuple[bool, s
 
 
 STEPS = {"gopher_repetition": repetition, "gopher_quality": quality, "c4": c4, "fineweb": fineweb}
+
+
+def check(step: str, block, words: Words) -> Callable[[Document], Verdict]:
+    """The fast engine's check for `step`: moeflow's own statistics where this module has them; a datatrove
+    block it has none for (one added to DATATROVE_FILTERS) runs as it is, given the fast splitter."""
+    if step in STEPS:
+        return STEPS[step](block, words)
+    block.language = words.splitter
+    return block.filter

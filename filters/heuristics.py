@@ -88,7 +88,7 @@ def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
             made.append((step, length_filter(cfg)))
         else:
             block = _block(cfg, step)
-            made.append((step, block.filter if shared is None else fast.STEPS[step](block, shared)))
+            made.append((step, block.filter if shared is None else fast.check(step, block, shared)))
     return made
 
 

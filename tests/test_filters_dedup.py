@@ -379,9 +379,11 @@ def test_the_fast_statistics_decide_as_datatroves_blocks_at_every_edge():
     each rule's threshold every decision, reason and C4 rewrite equals the blocks' own (same word splitter)."""
     from datatrove.utils.typeshelper import Languages
 
-    from moeflow.filters import heuristics
+    from moeflow.configs import DATATROVE_FILTERS
+    from moeflow.filters import fast, heuristics
     from moeflow.filters.words import fast_words
 
+    assert set(fast.STEPS) == set(DATATROVE_FILTERS) | {"gopher_repetition"}  # every block has its statistics
     loose = {"gopher_quality": {"min_doc_words": 10}, "c4": {"min_num_sentences": 3}}
     configs = [FilterConfig(steps=("gopher_repetition", "gopher_quality", "fineweb", "c4")),
                FilterConfig(steps=("c4", "fineweb", "gopher_quality", "gopher_repetition"), **loose),
@@ -437,3 +439,18 @@ def test_the_fast_repetition_counts_equal_datatroves():
             grams = get_n_grams(split.words, n)
             assert fast.repeated_chars(split, n) == find_all_duplicate(split.words, n), (n, text[:200])
             assert fast.top_ngram_chars(split, n) == (find_top_duplicate(grams) if grams else None), (n, text[:200])
+
+
+def test_a_datatrove_block_without_fast_statistics_runs_as_it_is_with_the_fast_splitter():
+    """A block added to DATATROVE_FILTERS before filters/fast.py computes its rules still runs (no KeyError)."""
+    from datatrove.pipeline.filters import C4ParagraphFilter
+    from datatrove.utils.typeshelper import Languages
+
+    from moeflow.filters import fast
+    from moeflow.filters.words import fast_words
+
+    block = C4ParagraphFilter()
+    got = fast.check("c4_paragraph", block, fast.Words(fast_words(Languages.english)))
+    assert block.language is fast_words(Languages.english)
+    assert got(Document(text=PROSE, id="a")) == (False, "< 3 paragraphs")
+    assert got(Document(text="\n".join([PROSE] * 3), id="b")) is True
