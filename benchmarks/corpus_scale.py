@@ -23,7 +23,10 @@ the kx token store: its peak RSS at 16x against 1x shows whether it holds the to
 bare libraries, one process, same input, start-up untimed: datatrove's JSONL reader to its Parquet
 writer, datatrove's Gopher filters (Parquet reader to Parquet writer), datatrove's four-step MinHash (same
 n-gram size, bands and rows; its own word tokenizer), `tokenizers.encode_batch` over the texts a row
-group at a time. Dedup quality against the planted truth (see `quality` and `datatrove_quality`).
+group at a time. Dedup quality against the planted truth (see `quality` and `datatrove_quality`). Filter's
+decisions against the `datatrove` engine's on the largest scale (`filter_decision_agreement`: same keep/drop
+and reason; the documents that differ are listed with both verdicts); `--tiny-agreement` adds the same on the
+tiny preset's own corpus and filter settings (`tiny_filter_decision_agreement`).
 What it does not show: Prefect's scheduling (the pool stands in for its process pool), Ray or Dask,
 sizes past 16x, and documents much longer than the tiny preset's. The last line is one JSON object.
 """
@@ -387,6 +390,19 @@ def agreement(fast: str, reference: str) -> dict:
             "differ": [{"id": i, "fast": a.get(i), "datatrove": b[i]} for i in differ[:20]]}
 
 
+def tiny_agreement(work: Path) -> dict:
+    """Both engines' filter stage on the tiny preset's own ingested corpus with its own filter settings
+    (language ID, length, Gopher steps, per-domain overrides): `agreement` of their ledgers."""
+    from moeflow import configs
+    from moeflow.tasks.runner import materialize
+
+    made = {}
+    for engine in ("fast", "datatrove"):
+        cfg = configs.load("tiny", store=str(work / "base-store"), filter={"engine": engine})
+        made[engine] = materialize("filter", cfg, {"docs": materialize("ingest", cfg, {})}).path
+    return agreement(made["fast"], made["datatrove"])
+
+
 def _mix(scale: int, store, store_path: str, tok_path: str, base: list[dict], args) -> dict:
     mix = [run_stage("mix", store.root, scale, 1, {"shards": store_path, "tokenizer": tok_path},
                      steps=MIX_STEPS * scale, domains=sorted({d["domain"] for d in base}))
@@ -433,6 +449,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per figure, the fastest counts (default 1)")
     ap.add_argument("--stages", nargs="+", choices=[*STAGES, "mix"], default=[*STAGES, "mix"],
                     help="the stages to measure (default all; mix needs tokenize)")
+    ap.add_argument("--tiny-agreement", action="store_true",
+                    help="also run both filter engines on the tiny preset's corpus (its own filter settings) "
+                         "and report how often they agree (`tiny_filter_decision_agreement`)")
     ap.add_argument("--bare", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if "mix" in args.stages and "tokenize" not in args.stages:
@@ -443,7 +462,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = base_docs(args.base, Path(tmp))
         results = {s: measure_scale(s, base, Path(tmp), args) for s in args.scales}
-    print(json.dumps({"per_scale": results, **summary(results, args.scales)}))
+        tiny = {"tiny_filter_agreement": tiny_agreement(Path(tmp))} if args.tiny_agreement else {}
+    if tiny:
+        print(f"tiny preset's corpus, filter against the datatrove engine: {tiny['tiny_filter_agreement']}")
+        tiny["tiny_filter_decision_agreement"] = tiny["tiny_filter_agreement"]["ratio"]
+    print(json.dumps({"per_scale": results, **summary(results, args.scales), **tiny}))
 
 
 if __name__ == "__main__":

