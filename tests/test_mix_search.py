@@ -119,6 +119,10 @@ def test_the_search_is_registered_before_the_mix_and_changes_it(prefect_server, 
     assert lin["mix"]["inputs"]["search"]["hash"] == lin["mix_search"]["artifact"]["hash"]
     assert lin["mix"]["config"]["mix"]["weights"] == pytest.approx(search["weights"], abs=1e-6)
     assert search["proxy_fraction"] <= 0.25 and len(search["proxies"]) == 5
+    # every proxy is judged on proxy 0's held-out rows: the same rows as any other mix's, the target's too
+    held = {k: (Path(out["stages"][k]["artifact"]) / "heldout.arrow").read_bytes()
+            for k in ("proxy_mix0", "proxy_mix3", "mix")}
+    assert held["proxy_mix0"] == held["proxy_mix3"] == held["mix"]
     text = Path(out["card"]).read_text()
     assert "## Mixture search" in text and f"| {search['proxies'][3]['objective']:.4f} |" in text
     # the card's section is lineage alone: without search.json it renders the same
