@@ -85,6 +85,7 @@ READERS = {
     "overlap": ("shards", {"tokenizer": "tokenizer", "index": "benchmarks"}),
     "mix": ("shards", {"tokenizer": "tokenizer"}),
     "rung_mix": ("shards", {"tokenizer": "tokenizer"}),
+    "proxy_mix": ("shards", {"tokenizer": "tokenizer"}),
 }
 
 
