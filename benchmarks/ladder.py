@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run from benchmarks/)
 
 from moeflow import configs
 
@@ -39,17 +37,7 @@ def run_once(preset: str, seed: int, store: str | None, work: Path) -> dict:
         data["ladder"] = SMOKE_LADDER
     if store:
         data["store"] = store
-    path = work / f"{preset}-{seed}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    cmd = [sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run", str(path),
-           "--until", "train"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{preset} seed {seed}: moeflow run failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                         f"{done.stderr[-3000:]}")
-    root = Path(configs.load(path).store_url())
-    record = max((root / "runs").glob("*.json"), key=os.path.getmtime)
-    stages = json.loads(record.read_text())["stages"]
+    root, stages = run_until(data, f"{preset}-{seed}", "train", work)
     pred = json.loads((root / "ladder" / f"ladder-{stages['ladder']['hash']}" / "prediction.json").read_text())
     stats = json.loads((root / "train" / f"train-{stages['train']['hash']}" / "lineage.json").read_text())["stats"]
     actual, predicted, (lo, hi) = stats["tail_loss"], pred["predicted_final_loss"], pred["band"]

@@ -17,29 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run from benchmarks/)
 
 from moeflow import configs
 
 
 def run_config(data: dict, name: str, work: Path) -> dict:
     """Run `data` until evaluate; the stages of its run record as {label: lineage}."""
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    cmd = [sys.executable, "-c", "from moeflow.cli import main; raise SystemExit(main())", "run", str(path),
-           "--until", "evaluate"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name}: moeflow run failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    root = Path(configs.load(path).store_url())
-    record = max((root / "runs").glob("*.json"), key=os.path.getmtime)
-    stages = json.loads(record.read_text())["stages"]
+    _, stages = run_until(data, name, "evaluate", work)
     return {k: json.loads((Path(v["artifact"]) / "lineage.json").read_text()) for k, v in stages.items()}
 
 
