@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import curve_fit
 
-from moeflow.configs import LadderConfig, ModelConfig, RunConfig, TrainConfig
+from moeflow.configs import ConfigError, LadderConfig, ModelConfig, RunConfig, TrainConfig
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import tokenizer
 
@@ -70,7 +70,9 @@ def flops(
 
 
 def plan(cfg: RunConfig, vocab: int) -> list[dict]:
-    """The rungs: model and train configs, FLOPs and parameters, cheapest first."""
+    """The rungs: model and train configs, FLOPs and parameters, cheapest first. Their FLOPs stay within
+    `budget_fraction` of the target's: where `min_steps` lifts a rung above its share, the others get less;
+    a ConfigError where the rungs at `min_steps` alone cost more."""
     lad: LadderConfig = cfg.ladder
     phases = [(p.steps, p.seq_len) for p in cfg.phases()]
     target_flops, _ = flops(cfg.model, cfg.train, vocab, phases)
@@ -79,39 +81,54 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     longest = max(s for _, s in phases)
     # With a curriculum given in fractions, each rung runs all of it on its own mix (the phases keep their
     # shares of the rung's steps); otherwise a rung trains on a prefix of the target's mix.
-    own_mix = own_curriculum(cfg)
-    shares = [(n / cfg.train.steps, s) for n, s in phases] if own_mix else [(1.0, phases[0][1])]
-    tokens_per_step = cfg.train.batch_size * sum(f * s for f, s in shares)
+    shares = [(n / cfg.train.steps, s) for n, s in phases] if own_curriculum(cfg) else [(1.0, phases[0][1])]
     per_token = []
     for m in models:
         t = Transformer(m, vocab, longest)
         fpt = sum(f * s * t.flops_per_token(s) for f, s in shares) / sum(f * s for f, s in shares)
         per_token.append((fpt, t.num_params()["active"], t))
     # tokens_r = k * N_r, with sum_r fpt_r * k * N_r = fraction * target FLOPs
-    k = lad.budget_fraction * target_flops / sum(f * n for f, n, _ in per_token)
-    rungs = []
-    for m, (fpt, n, t) in zip(models, per_token):
-        if own_mix:
-            steps = max(lad.min_steps, round(k * n / tokens_per_step))
-        else:
-            steps = max(lad.min_steps, _steps_for(fpt * k * n, t, cfg.train.batch_size, phases))
-        train = cfg.train.model_copy(
-            update={
-                "steps": steps,
-                "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
-                "checkpoint_every": steps,
-            }
-        )
-        rung_phases = (
-            [(p.steps, p.seq_len) for p in cfg.model_copy(update={"train": train}).phases()]
-            if own_mix
-            else _prefix(phases, steps)
-        )
-        rung_flops, _ = flops(m, train, vocab, rung_phases)
-        rungs.append(
-            {"model": m, "train": train, "flops": rung_flops, "params_active": n, "own_mix": own_mix}
-        )
-    return rungs
+    budget = lad.budget_fraction * target_flops
+    k = budget / sum(f * n for f, n, _ in per_token)
+    for _ in range(50):
+        rungs = [_rung(cfg, m, t, k * n, vocab, shares) | {"params_active": n}
+                 for m, (_, n, t) in zip(models, per_token)]
+        spent = sum(r["flops"] for r in rungs)
+        if spent <= budget * 1.0001:
+            return rungs
+        if all(r["train"].steps == lad.min_steps for r in rungs):
+            raise ConfigError(
+                f"ladder: its {len(rungs)} rungs at ladder.min_steps={lad.min_steps} cost {spent / target_flops:.1%} "
+                f"of the target's FLOPs, over ladder.budget_fraction={lad.budget_fraction}: lower min_steps, "
+                "give fewer or narrower widths, or raise budget_fraction"
+            )
+        k *= 0.99 * budget / spent
+    raise ConfigError(f"ladder: no rung lengths fit ladder.budget_fraction={lad.budget_fraction}")
+
+
+def _rung(cfg: RunConfig, m: ModelConfig, t: Transformer, tokens: float, vocab: int, shares: list) -> dict:
+    """One rung of `m` for about `tokens` tokens (at least `ladder.min_steps` steps)."""
+    phases = [(p.steps, p.seq_len) for p in cfg.phases()]
+    if own_curriculum(cfg):
+        per_step = cfg.train.batch_size * sum(f * s for f, s in shares)
+        steps = max(cfg.ladder.min_steps, round(tokens / per_step))
+    else:
+        fpt = t.flops_per_token(shares[0][1])
+        steps = max(cfg.ladder.min_steps, _steps_for(fpt * tokens, t, cfg.train.batch_size, phases))
+    train = cfg.train.model_copy(
+        update={
+            "steps": steps,
+            "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
+            "checkpoint_every": steps,
+        }
+    )
+    rung_phases = (
+        [(p.steps, p.seq_len) for p in cfg.model_copy(update={"train": train}).phases()]
+        if own_curriculum(cfg)
+        else _prefix(phases, steps)
+    )
+    rung_flops, _ = flops(m, train, vocab, rung_phases)
+    return {"model": m, "train": train, "flops": rung_flops, "own_mix": own_curriculum(cfg)}
 
 
 def own_curriculum(cfg: RunConfig) -> bool:
