@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pydantic
 import pytest
 
@@ -333,3 +334,35 @@ def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(t
     png = tmp_path / plots.QUALITY
     plots.quality_histograms(stats, rec["config"], png)
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
+def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, positives):
+    """Two texts joined (at a sentence's end: no broken word to see) read as clean to a bag of n-grams, the
+    classifier's whole view; the coherence rule drops them, their coherence below every whole document's."""
+    rng, rows = random.Random(11), []
+    for i in range(40):
+        words, template = (WORDS, PROSE) if i % 2 else (OTHER, RAIL)
+        rows.append((f"good{i:02d}", _prose(rng, 40, words, template)))
+    for i in range(4):
+        first, second = ((WORDS, PROSE), (OTHER, RAIL))[:: 1 if i % 2 else -1]
+        rows.append((f"joined{i}", _prose(rng, 10 + 10 * i, *first) + " " + _prose(rng, 40 - 10 * i, *second)))
+    random.Random(2).shuffle(rows)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with DocWriter(corpus) as w:
+        for doc_id, text in rows:
+            w.write({"id": doc_id, "source": "web-src", "domain": "web", "path": "p", "text": text})
+    q = QualityConfig(positives=positives, keep=KeepRule(threshold=0.0),
+                      coherence=configs.Coherence(clean_loss=0.1, min_words=30, common_words=10))
+    built = _run(tmp_path, q, corpus=corpus)
+    threshold = built["model"].stats["coherence"]["threshold"]
+    ledger = {r["doc_id"]: r for r in read_ledger(built["quality"].dir).to_pylist()}
+    for i in range(4):
+        r = ledger[f"joined{i}"]
+        assert (r["fate"], r["reason"]) == ("dropped", "quality.incoherent"), r
+        assert json.loads(r["detail"])["coherence"] < threshold == json.loads(r["detail"])["threshold"]
+    dropped_whole = [d for d, r in ledger.items() if d.startswith("good") and r["fate"] == "dropped"]
+    assert len(dropped_whole) <= 4, dropped_whole  # about clean_loss of the 40
+    table = pq.read_table(built["quality"].dir / "scores.parquet").to_pylist()
+    joined = [r["coherence"] for r in table if r["id"].startswith("joined")]
+    assert max(joined) < min(r["coherence"] for r in table if r["id"].startswith("good"))
