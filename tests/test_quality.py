@@ -366,3 +366,70 @@ def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, p
     table = pq.read_table(built["quality"].dir / "scores.parquet").to_pylist()
     joined = [r["coherence"] for r in table if r["id"].startswith("joined")]
     assert max(joined) < min(r["coherence"] for r in table if r["id"].startswith("good"))
+
+
+@pytest.fixture(scope="module")
+def token_store(tmp_path_factory):
+    """30 documents in domains a and b, tokenized: document i is i * 40 words longer than document 0."""
+    from moeflow.configs import TokenizerConfig
+    from moeflow.tokenize import store, tokenizer
+
+    docs, tok_dir, store_dir = (tmp_path_factory.mktemp(n) for n in ("docs", "tok", "store"))
+    rng = random.Random(0)
+    with DocWriter(docs) as w:
+        for i in range(30):
+            text = " ".join(rng.choice(WORDS) for _ in range(400 + 40 * i))
+            w.write({"id": f"doc{i:02d}", "source": "s", "domain": "a" if i % 3 else "b", "path": "p", "text": text})
+    tokenizer.build(TokenizerConfig(kind="bpe", vocab_size=512), docs, tok_dir)
+    store.run(TokenizerConfig(shard_tokens=100_000), docs, tok_dir, store_dir)
+    return tok_dir, store_dir
+
+
+def test_quality_buckets_repeat_each_domains_best_documents_by_their_factor(token_store, tmp_path):
+    """Half of each domain scores >= 0.5 and is drawn 3 times as often per token as the other half; the
+    domains keep their weights, the stats and the model card's mix table hold tokens per bucket, and a bucket
+    needing more than max_epochs is named."""
+    from moeflow.card.model_card import _mix
+    from moeflow.configs import MixConfig, Phase
+    from moeflow.tokenize import mix
+
+    tok_dir, store_dir = token_store
+    scores = {f"doc{i:02d}": round((i % 15) / 15 + 0.01, 6) for i in range(30)}  # 0.01 .. 0.94, twice
+    buckets = ({"min_score": 0.5, "repeat": 3.0}, {"min_score": 0.0, "repeat": 1.0})
+    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}, quality_buckets=buckets)
+    phase = Phase(name="main", index=0, steps=500, start_step=0, seq_len=32, weights={"a": 0.5, "b": 0.5})
+    stats = mix.run(cfg, seed=3, phases=[phase], batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir,
+                    out=tmp_path, leakage=False, scores=scores)
+    plan = stats["plan"]
+    assert sorted(plan) == ["a@0", "a@0.5", "b@0", "b@0.5"]
+    held = {d for ids in stats["heldout_doc_ids"].values() for d in ids}
+    for domain in ("a", "b"):
+        low, high = plan[f"{domain}@0"], plan[f"{domain}@0.5"]
+        drawn = [b["tokens"] / b["training_tokens_available"] for b in (high, low)]  # passes over each
+        assert 2.5 < drawn[0] / drawn[1] < 3.5, (domain, drawn)
+        members = [d for d in scores if d not in held and (int(d[3:]) % 3 != 0) == (domain == "a")]
+        assert high["documents"] == sum(scores[d] >= 0.5 for d in members)
+    shares = stats["train_tokens_per_domain"]
+    assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.02
+    assert set(stats["phases"][0]["tokens_per_domain"]) == set(plan)
+    assert "| a@0.5 |" in _mix(stats)["domains_table"] and "| a@0.5 |" in _mix(stats)["phases_table"]
+    tight = cfg.model_copy(update={"max_epochs": 1.0})
+    with pytest.raises(ConfigError, match=r"needs domain '[ab]@0\.5' repeated \d+ times .* mix\.max_epochs = 1"):
+        mix.run(tight, seed=3, phases=[phase], batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir,
+                out=tmp_path / "tight", leakage=False, scores=scores)
+
+
+@pytest.mark.parametrize(("buckets", "error"), [
+    ([{"min_score": 0.5, "repeat": 2}], r"mix\.quality_buckets.*no bucket starts at min_score 0"),
+    ([{"min_score": 0, "repeat": 1}, {"min_score": 0, "repeat": 2}], r"mix\.quality_buckets.*share a min_score"),
+    ([{"min_score": 0, "repeat": 0}], r"mix\.quality_buckets\.0\.repeat"),
+    ([{"min_score": 1.5, "repeat": 1}], r"mix\.quality_buckets\.0\.min_score"),
+])
+def test_a_bad_quality_bucket_is_a_config_error_naming_the_field(tmp_path, buckets, error):
+    with pytest.raises(ConfigError, match=error):
+        configs.load("smoke", mix={"quality_buckets": buckets})
+
+
+def test_quality_buckets_without_a_quality_section_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"mix\.quality_buckets splits domains by the quality stage's scores"):
+        configs.load("smoke", quality=None, mix={"quality_buckets": [{"min_score": 0, "repeat": 1}]})
