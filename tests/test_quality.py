@@ -336,6 +336,23 @@ def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(t
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
 
 
+def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, positives):
+    from moeflow.card import dataset
+    from moeflow.card.graph import collect
+
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5)))
+    said = dataset._classifier(collect([built["quality"].dir]))
+    held = built["model"].stats["heldout"]
+    assert said["what"] == "a fastText classifier trained by `quality_model`" and said["positives"] == "`reference`"
+    assert said["artifact"] == f"quality_model-{built['model'].hash}" and said["label"] == "__label__hq"
+    assert said["heldout"].startswith(f"precision {held['precision']}, recall {held['recall']}, ROC AUC "
+                                      f"{held['roc_auc']}")
+    assert said["rule"] == '{"threshold": 0.5, "top_fraction": null}'
+    by_domain = built["quality"].stats["by_domain"]
+    assert said["kept"] == ", ".join(f"{d} {v['kept']} of {v['documents']}" for d, v in by_domain.items())
+    assert dataset._classifier(collect([built["model"].dir])) is None  # no quality stage: nothing selected
+
+
 def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, positives):
     """Two texts joined (at a sentence's end: no broken word to see) read as clean to a bag of n-grams, the
     classifier's whole view; the coherence rule drops them, their coherence below every whole document's."""
