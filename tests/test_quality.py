@@ -370,7 +370,7 @@ def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, p
         for doc_id, text in rows:
             w.write({"id": doc_id, "source": "web-src", "domain": "web", "path": "p", "text": text})
     q = QualityConfig(positives=positives, keep=KeepRule(threshold=0.0),
-                      coherence=configs.Coherence(clean_loss=0.1, min_words=30, common_words=10))
+                      coherence=configs.Coherence(clean_loss=0.1, min_words=30))
     built = _run(tmp_path, q, corpus=corpus)
     threshold = built["model"].stats["coherence"]["threshold"]
     ledger = {r["doc_id"]: r for r in read_ledger(built["quality"].dir).to_pylist()}
