@@ -450,3 +450,29 @@ def test_a_bad_quality_bucket_is_a_config_error_naming_the_field(tmp_path, bucke
 def test_quality_buckets_without_a_quality_section_is_a_config_error():
     with pytest.raises(ConfigError, match=r"mix\.quality_buckets splits domains by the quality stage's scores"):
         configs.load("smoke", quality=None, mix={"quality_buckets": [{"min_score": 0, "repeat": 1}]})
+
+
+def test_the_mix_reads_the_quality_scores_only_with_buckets():
+    """With mix.quality_buckets the mix stage is given the quality stage's artifact (its scores, and its key
+    follows them); without, its inputs are as before, and rungs' and proxies' mixes draw domains whole."""
+    from moeflow.flows.pretrain import dag
+    from moeflow.tasks.registry import STAGES
+
+    def mix_inputs(cfg: configs.RunConfig) -> dict:
+        seen = {}
+
+        def plan(stage, **inputs):
+            seen[stage.name] = inputs
+            return stage.name
+
+        dag(plan, cfg)
+        return seen["mix"]
+
+    smoke = configs.load("smoke")
+    assert mix_inputs(smoke) == {"shards": "tokenize", "tokenizer": "tokenizer"}
+    bucketed = configs.load("smoke", mix={"quality_buckets": [{"min_score": 0, "repeat": 1},
+                                                              {"min_score": 0.8, "repeat": 2}]})
+    assert mix_inputs(bucketed) == {"shards": "tokenize", "tokenizer": "tokenizer", "quality": "quality"}
+    assert [b.min_score for b in bucketed.mix.quality_buckets] == [0.0, 0.8]
+    for own in ("rung_mix", "proxy_mix"):
+        assert STAGES[own].config(bucketed)["mix"].quality_buckets == ()
