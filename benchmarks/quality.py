@@ -11,11 +11,17 @@ training half as its corpus sample. The generators below never reach training: t
 from `moeflow.quality.degrade`, written apart from them. From the other half's documents it makes junk of
 five kinds: `shuffled` (a document's words in random order), `spam` (keywords and boilerplate repeated),
 `spliced` (two documents cut mid-sentence and joined), `templated` (a near-empty page of a template),
-`no_function_words` (a document with its function words removed). The classifier's threshold is the
-`--clean-loss` quantile (0.02) of the scores of the corpus documents `quality_model` held out (no junk seen).
-Reported: per judge, the recall of planted junk and the fraction of clean documents dropped; `junk_recall`
-is the classifier's recall (with the heuristics) on the junk the heuristics alone keep, and
-`junk_recall_per_kind` the same per kind; `mb_per_s_core` is scoring throughput on one process (best of 3);
+`no_function_words` (a document with its function words removed). `--clean-loss` (0.02) is the share of
+clean documents the quality stage is let drop: the coherence rule takes its own (`quality.coherence.clean_loss`,
+0.01 by default) and the classifier's threshold is the quantile of what is left (0.01) of the scores of the
+corpus documents `quality_model` held out (no junk seen).
+The coherence rule (`quality/coherence.py`) is calibrated, as `quality_model` does, on the
+same corpus sample, never on junk. Reported: per judge (heuristics; `score_only`, the classifier's score;
+`classifier`, the quality stage: score and coherence; `both`), the recall of planted junk and the fraction
+of clean documents dropped; `junk_recall` is the quality stage's recall (with the heuristics) on the junk the
+heuristics alone keep, and `junk_recall_per_kind` the same per kind; `mb_per_s_core` is scoring throughput
+on one process (best of 3): the bytes of the whole documents over the time to score them (the classifier
+reads each one's first `max_chars` characters, the coherence all of it);
 `heldout_auc` the classifier's held-out ROC AUC on its own construction (held-out clean documents against
 degraded versions of them). Last line: one JSON object.
 """
@@ -37,6 +43,7 @@ from moeflow.configs import PositiveSource, QualityConfig
 from moeflow.ingest import resolve_source
 from moeflow.ingest.reader import records
 from moeflow.quality import classifier as qc
+from moeflow.quality import coherence
 
 FUNCTION_WORDS = set("the a an of to in and or but is are was were be been for on at by with from as that this "
                      "it its which who whom whose not no if then than so such".split())
@@ -105,17 +112,36 @@ def quality_config(cfg: configs.RunConfig, seed: int) -> QualityConfig:
 
 
 def train(q: QualityConfig, corpus: list[str], folder: Path):
-    """The classifier, trained as `quality_model` trains (`classifier.build`), `corpus` as the corpus sample;
-    and its held-out metrics."""
+    """The classifier, trained as `quality_model` trains (`classifier.build`), `corpus` as the corpus sample,
+    and its coherence rule calibrated on the same sample; and its held-out metrics."""
     stats = qc.build(qc.slice_of(q), qc.read_positives(q.positives), corpus, folder)
-    return qc.load(str(folder / qc.MODEL)), stats
+    stats["coherence"] = coherence.write(folder, coherence.calibrate(corpus, q.coherence))
+    return qc.load(str(folder / qc.MODEL)), coherence.Judge(folder), stats
 
 
-def judged(cfg: configs.RunConfig, texts: list[tuple[str, str]], scores: np.ndarray, threshold: float) -> dict:
-    """Per judge (heuristics, classifier, both), which of `texts` ((domain, text)) it drops."""
+def score(model, judge: coherence.Judge, label: str, texts: list[str], chars: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the `quality` stage's score phase computes: the classifier's score of each text's first `chars`
+    characters, and the coherence of the whole text."""
+    return qc.scores(model, label, [qc.line(t, chars) for t in texts]), np.array([judge.value(t) for t in texts])
+
+
+def judged(cfg: configs.RunConfig, texts: list[tuple[str, str]], scores: np.ndarray, threshold: float,
+           incoherent: np.ndarray) -> dict:
+    """Per judge (heuristics, the classifier's score alone, the quality stage: score and coherence, and the
+    heuristics with the quality stage), which of `texts` ((domain, text)) it drops."""
     heur = np.array([not heuristics_keep(cfg, t, d) for d, t in texts])
     cls = scores < threshold
-    return {"heuristics": heur, "classifier": cls, "both": heur | cls}
+    return {"heuristics": heur, "score_only": cls, "classifier": cls | incoherent, "both": heur | cls | incoherent}
+
+
+def classifier_threshold(stats: dict, share: float) -> float:
+    """The score below which `share` of the held-out corpus documents fall (one of those `quality_model` measures)."""
+    quantiles = stats["heldout"]["corpus_quantiles"]
+    key = f"{round(share, 4):g}"
+    if key not in quantiles:
+        raise SystemExit(f"--clean-loss less quality.coherence.clean_loss is {share:g}; it must be one of "
+                         f"{sorted(quantiles)} (the quantiles quality_model measures)")
+    return quantiles[key]
 
 
 def main() -> dict:
@@ -123,8 +149,9 @@ def main() -> dict:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--per-domain", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clean-loss", type=float, default=0.02, choices=qc.QUANTILES,
-                    help="the threshold: this quantile of the held-out corpus documents' scores")
+    ap.add_argument("--clean-loss", type=float, default=0.02,
+                    help="the share of clean documents the quality stage may drop: the coherence rule's, and "
+                         "the classifier's threshold at the quantile of the held-out corpus scores left")
     args = ap.parse_args()
     cfg, rng = configs.load(args.config), random.Random(args.seed)
     clean = clean_documents(cfg, args.per_domain, args.seed)
@@ -133,18 +160,19 @@ def main() -> dict:
     fit, test = clean[:half], clean[half:]
     with tempfile.TemporaryDirectory() as tmp:
         q = quality_config(cfg, args.seed)
-        model, stats = train(q, [t for _, t in fit], Path(tmp))
-        held, threshold = stats["heldout"], stats["heldout"]["corpus_quantiles"][str(args.clean_loss)]
+        model, judge, stats = train(q, [t for _, t in fit], Path(tmp))
+        held, threshold = stats["heldout"], classifier_threshold(stats, args.clean_loss - q.coherence.clean_loss)
         chars = q.train.max_chars
         junk = [(d, k, j) for (d, t) in test for k, j in make_junk([t, rng.choice(test)[1]], rng)[:5]]
-        lines = [qc.line(t, chars) for _, t in test] + [qc.line(j, chars) for _, _, j in junk]
+        texts = [t for _, t in test] + [j for _, _, j in junk]
         seconds = []
         for _ in range(3):  # best of 3: the machine is shared
             t0 = time.perf_counter()
-            scores = qc.scores(model, stats["label"], lines)
+            scores, coherent = score(model, judge, stats["label"], texts, chars)
             seconds.append(time.perf_counter() - t0)
-    mb = sum(len(x.encode()) for x in lines) / 1e6
-    drops = judged(cfg, [(d, t) for d, t in test] + [(d, j) for d, _, j in junk], scores, threshold)
+        incoherent = ~np.array([judge.passes(c) for c in coherent])
+    mb = sum(len(x.encode()) for x in texts) / 1e6
+    drops = judged(cfg, [(d, t) for d, t in test] + [(d, j) for d, _, j in junk], scores, threshold, incoherent)
     n = len(test)
     report = {}
     for judge, dropped in drops.items():
@@ -161,7 +189,8 @@ def main() -> dict:
     out = {"clean_documents": n, "junk_documents": len(junk), "threshold": round(threshold, 6),
            "judges": report, "junk_recall": round(float(caught[missed].mean()), 4), "junk_recall_per_kind": per_kind,
            "clean_dropped_fraction": report["both"]["clean_dropped_fraction"],
-           "mb_per_s_core": round(mb / min(seconds), 2), "heldout_auc": held["roc_auc"], "heldout": held}
+           "mb_per_s_core": round(mb / min(seconds), 2), "heldout_auc": held["roc_auc"], "heldout": held,
+           "coherence": stats["coherence"]}
     return out
 
 

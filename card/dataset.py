@@ -86,6 +86,7 @@ def render(graph: dict[str, dict]) -> str:
         filter_table=filter_table((fil or {}).get("stats", {})),
         dedup=dedup_clusters(single(graph, "dedup")["stats"]) if _has(graph, "dedup") else None,
         contamination=_contamination(graph),
+        classifier=_classifier(graph),
         languages=(fil or {}).get("config", {}).get("languages"),
         domains=sorted({s["domain"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
         licenses=sorted({s["license"] for s in single(graph, "ingest")["stats"]["sources"].values()}),
@@ -106,6 +107,32 @@ def _sources_table(graph: dict[str, dict]) -> str:
     head = ["source", "package", "version", "license", "domain", "files", "records", "kept by ingest",
             "quarantined", "UTF-8 bytes read"]
     return table(head, rows)
+
+
+def _classifier(graph: dict[str, dict]) -> dict | None:
+    """Which classifier selected the corpus: the `quality_model` and `quality` records in words; None without."""
+    if not (_has(graph, "quality_model") and _has(graph, "quality")):
+        return None
+    model, kept = single(graph, "quality_model"), single(graph, "quality")
+    ms, held = model["stats"], model["stats"].get("heldout", "not measured")
+    syn = model["config"].get("synthetic_negatives", {}).get("kinds")
+    coherence = ms.get("coherence") or {}
+    return {
+        "what": "a fastText classifier trained by `quality_model`" if ms["source"] == "trained"
+        else f"your fastText classifier `{model['config']['model']}`",
+        "artifact": f"quality_model-{model['artifact']['hash']}", "label": ms["label"],
+        "positives": ", ".join(f"`{p}`" for p in ms.get("positives", {}).get("sources", [])),
+        "negatives": f"degraded versions of them and of a corpus sample ({', '.join(syn)})" if syn
+        else "a sample of the corpus",
+        "heldout": held if isinstance(held, str) else
+        f"precision {held['precision']}, recall {held['recall']}, ROC AUC {held['roc_auc']} "
+        f"({held['positives']} clean, {held['negatives']} junk documents)",
+        "rule": json.dumps(kept["config"]["keep"]) + (
+            f", overrides {json.dumps(kept['config']['overrides'])}" if kept["config"].get("overrides") else ""),
+        "coherence": f"threshold {coherence['threshold']}, the {coherence['clean_loss']} quantile of "
+        f"{coherence['documents']} corpus documents" if coherence.get("threshold") else "",
+        "kept": ", ".join(f"{d} {v['kept']:,} of {v['documents']:,}" for d, v in kept["stats"]["by_domain"].items()),
+    }
 
 
 def _contamination(graph: dict[str, dict]) -> dict | None:

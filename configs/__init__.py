@@ -21,7 +21,14 @@ from moeflow.configs.data import (
     TokenizerConfig,
     TokenizerKind,
 )
-from moeflow.configs.quality import ClassifierTrain, KeepRule, PositiveSource, QualityConfig, SyntheticNegatives
+from moeflow.configs.quality import (
+    ClassifierTrain,
+    Coherence,
+    KeepRule,
+    PositiveSource,
+    QualityConfig,
+    SyntheticNegatives,
+)
 from moeflow.configs.run import RunConfig, load, resolve
 from moeflow.configs.training import AlarmConfig, EvalConfig, LadderConfig, ModelConfig, TrainConfig, TrainStageConfig
 
@@ -29,6 +36,7 @@ __all__ = [
     "AlarmConfig",
     "BenchmarkConfig",
     "ClassifierTrain",
+    "Coherence",
     "SyntheticNegatives",
     "ConfigError",
     "DATATROVE_FILTERS",

@@ -315,6 +315,14 @@ class MixSearchConfig(Frozen):
         return sum(w * losses[d] for d, w in self.objective.items()) / sum(self.objective.values())
 
 
+class QualityBucket(Frozen):
+    """Documents of a domain scoring at least `min_score` (and below the next bucket's), drawn `repeat` times as
+    often, per token, as a bucket with repeat 1 (`quality/buckets.py`)."""
+
+    min_score: float = Field(ge=0, le=1)
+    repeat: float = Field(gt=0)
+
+
 class MixConfig(Frozen):
     weights: dict[str, float]  # domain -> share of training tokens (of every phase that sets none)
     heldout: HeldoutConfig = HeldoutConfig()
@@ -325,6 +333,9 @@ class MixConfig(Frozen):
     max_epochs: float = Field(default=8.0, ge=1)
     # choose `weights` by proxy runs before the target trains (none: the declared weights train)
     search: MixSearchConfig | None = None
+    # quality-aware mixing (needs a `quality:` section): each domain's training documents split by their
+    # quality score, each bucket drawn with its own repetition factor, within `max_epochs`
+    quality_buckets: tuple[QualityBucket, ...] = ()
 
     def tilted(self, weights: dict[str, float]) -> MixConfig:
         """This mix with `weights` in place of the declared ones, each phase's own weights tilted by the same
@@ -348,6 +359,17 @@ class MixConfig(Frozen):
     @classmethod
     def _weights(cls, v: dict[str, float]) -> dict[str, float]:
         return _check_weights(v)
+
+    @field_validator("quality_buckets")
+    @classmethod
+    def _buckets(cls, v: tuple[QualityBucket, ...]) -> tuple[QualityBucket, ...]:
+        lows = [b.min_score for b in v]
+        if len(set(lows)) != len(lows):
+            raise ValueError(f"two buckets share a min_score ({sorted(lows)}): give each its own")
+        if v and 0.0 not in lows:
+            raise ValueError(f"no bucket starts at min_score 0 (they start at {sorted(lows)}), so documents "
+                             "scoring below the lowest would fall in none: add {min_score: 0, repeat: ...}")
+        return tuple(sorted(v, key=lambda b: b.min_score))
 
 
 class Phase(Frozen):

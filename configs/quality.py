@@ -69,6 +69,19 @@ class SyntheticNegatives(Frozen):
     per_document: float = Field(default=1.0, gt=0)  # degraded versions made per training document (1: balanced)
 
 
+class Coherence(Frozen):
+    """Documents that read as two texts joined (`quality/coherence.py`): dropped when the lowest tf-idf cosine
+    between the words before and after any cut, over its value were the words in random order, falls below
+    the `clean_loss` quantile of the corpus sample's own."""
+
+    # the share of clean documents (the corpus sample) the rule may drop; 0 turns it off. On the quality
+    # benchmark 0.01 caught about 80% of spliced documents, which the classifier alone misses
+    clean_loss: float = Field(default=0.01, ge=0, lt=0.5)
+    min_words: int = Field(default=100, ge=10)  # words (not in every sample document) each side of a cut holds
+    # corpus documents sampled to calibrate on when no positives are declared (else the classifier's sample)
+    sample: int = Field(default=200, ge=20)
+
+
 class QualityConfig(Frozen):
     # high-quality reference text to train on; with `model`, used only to measure the given model
     positives: tuple[PositiveSource, ...] = ()
@@ -79,6 +92,7 @@ class QualityConfig(Frozen):
     label: str | None = None
     train: ClassifierTrain = ClassifierTrain()
     synthetic_negatives: SyntheticNegatives = SyntheticNegatives()
+    coherence: Coherence = Coherence()
     keep: KeepRule = KeepRule(threshold=0.5)
     overrides: dict[str, KeepRule] = {}  # per domain or source name (a source's rule wins over its domain's)
     # record shards the stage is split into (unset: `execution.shards`); the output is the same for any

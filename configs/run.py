@@ -116,6 +116,9 @@ class RunConfig(Frozen):
         if unknown:
             raise ValueError(f"quality.overrides names {unknown}, neither a domain nor a source; "
                              f"domains: {sorted(domains)}, sources: {names}")
+        if self.mix.quality_buckets and self.quality is None:
+            raise ValueError("mix.quality_buckets splits domains by the quality stage's scores: add a quality: "
+                             "section (a classifier to score with) or remove mix.quality_buckets")
         return self
 
     def _check_search(self) -> None:

@@ -60,19 +60,21 @@ def dag(run, cfg: configs.RunConfig):
     docs = run(INGEST)  # reads the fetched packages and local files: its key names their versions
     docs = run(FILTER, docs=docs)
     docs = run(DEDUP, docs=docs)
+    scored = None
     if cfg.quality:  # a learned classifier keeps the best (none: the corpus goes on as deduplicated)
-        docs = run(QUALITY, docs=docs, model=run(QUALITY_MODEL, docs=docs))
+        docs = scored = run(QUALITY, docs=docs, model=run(QUALITY_MODEL, docs=docs))
     index = run(BENCHMARKS)
     docs = run(DECONTAMINATE, docs=docs, index=index)
     tok = run(TOKENIZER, docs=docs)
     shards = run(TOKENIZE, docs=docs, tokenizer=tok)
     leftover = run(OVERLAP, shards=shards, tokenizer=tok, index=index)
+    buckets = {"quality": scored} if cfg.mix.quality_buckets else {}  # the mix draws by their scores
     if cfg.mix.search:  # proxy runs choose the weights, registered before the target's mix is built
         search = run.subflow(mix_search, cfg, shards, tok)
         cfg = run.searched(cfg, search)
-        mixed = run(MIX, cfg=cfg, shards=shards, tokenizer=tok, search=search)
+        mixed = run(MIX, cfg=cfg, shards=shards, tokenizer=tok, search=search, **buckets)
     else:
-        mixed = run(MIX, shards=shards, tokenizer=tok)
+        mixed = run(MIX, shards=shards, tokenizer=tok, **buckets)
     # registered before train
     prediction = run.subflow(ladder, cfg, mixed, shards, tok) if cfg.ladder and mixed else None
     model = run(TRAIN, mix=mixed, tokenizer=tok, **({"prediction": prediction} if prediction else {}))

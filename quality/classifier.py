@@ -30,6 +30,7 @@ from moeflow.core.documents import count_docs, iter_docs
 from moeflow.ingest import resolve_sources_list
 from moeflow.ingest.reader import records
 from moeflow.ingest.sources_stage import identities
+from moeflow.quality import coherence
 from moeflow.quality.degrade import degrade
 from moeflow.sources import fetch
 from moeflow.sources.stage import file_identity
@@ -211,6 +212,8 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         model = load(str(out / MODEL))
         stats.update(label=hq_label(model, s["label"]), labels=list(model.labels))
         load.cache_clear()
+        corpus = sample_corpus(inputs["docs"].dir, s["coherence"].sample, t.seed)
+    stats["coherence"] = coherence.write(out, coherence.calibrate(corpus, s["coherence"]))
     (out / "metrics.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     return stats
 
@@ -223,7 +226,7 @@ def config(c: RunConfig) -> dict:
 def slice_of(q) -> dict:
     """What of a quality section shapes the model."""
     return {"positives": q.positives, "model": q.model, "label": q.label, "train": q.train,
-            "synthetic_negatives": q.synthetic_negatives}
+            "synthetic_negatives": q.synthetic_negatives, "coherence": q.coherence}
 
 
 def fetched(s: dict) -> dict:

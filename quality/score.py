@@ -1,12 +1,15 @@
 """The `quality` stage: score every document with the classifier and keep the best, in three phases.
 
-`score` (record shards): each document's score, P(high quality) from `quality_model`, into `scores.parquet`.
+`score` (record shards): each document's score, P(high quality) from `quality_model`, and its coherence
+(`coherence.py`, on the whole text) into `scores.parquet`.
 `cutoffs` (one part): for each `top_fraction` group (a source, a domain or the corpus, as `quality.overrides`
 say) the last document kept, ranking by score, then id; and a domain the rules would empty fails here,
 before any document is written. `keep` (record shards): documents at or above their rule stay; the rest are
-`dropped` with reason `quality.below_threshold` and the score in the detail (every ledger row carries its
-score). `merge` joins the shards in rank order, so the output is the same for any shard count, and records
-per domain the five documents kept with the lowest scores and the five dropped with the highest (review).
+`dropped` with reason `quality.below_threshold` and the score in the detail, or, whatever their score, with
+`quality.incoherent` when their coherence is below `quality_model`'s threshold (every ledger row carries its
+score). `top_fraction` ranks all documents by score; the incoherent are dropped on top. `merge` joins the
+shards in rank order, so the output is the same for any shard count, and records per domain the five
+documents kept with the lowest scores and the five dropped with the highest (review).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from moeflow.core.ledger import Ledger
 from moeflow.core.ledger import read as read_ledger
 from moeflow.core.progress import tqdm
 from moeflow.quality.classifier import MODEL, QualityError, hq_label, line, load, scores
+from moeflow.quality.coherence import Judge
 
 SCORES = "scores.parquet"
 CUTOFFS = "cutoffs.json"
 SCHEMA = pa.schema([("id", pa.string()), ("domain", pa.string()), ("source", pa.string()),
-                    ("score", pa.float64())])
+                    ("score", pa.float64()), ("coherence", pa.float64())])
 ROWS_PER_GROUP = 65_536  # fixed, so the joined scores have the same bytes for any shard count
 BINS = 20  # the per-domain score histogram: [0, 0.05), ..., [0.95, 1]
 BATCH = 512
@@ -42,6 +46,7 @@ def score_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: t
     label = inputs["model"].stats["label"]
     model = load(str(model_dir / MODEL))
     hq_label(model, label)
+    judge = Judge(model_dir)
     rows: dict[str, list] = {name: [] for name in SCHEMA.names}
     batch: list[str] = []
 
@@ -53,6 +58,7 @@ def score_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: t
     for row in tqdm(docs, desc=f"quality score {part[0]}/{part[1]}", unit="doc", mininterval=5):
         for name in ("id", "domain", "source"):
             rows[name].append(row[name])
+        rows["coherence"].append(judge.value(row["text"]))
         batch.append(line(row["text"], cfg.train.max_chars))
         if len(batch) == BATCH:
             flush()
@@ -68,6 +74,8 @@ def cutoffs_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part:
     ids = np.asarray(table.column("id").to_pylist(), dtype=object)
     score = table.column("score").to_numpy()
     domains, sources = table.column("domain").to_pylist(), table.column("source").to_pylist()
+    judge = Judge(inputs["model"].dir)
+    coherent = [judge.passes(c) for c in table.column("coherence").to_pylist()]
     groups = np.asarray([cfg.group(d, s) for d, s in zip(domains, sources, strict=True)], dtype=object)
     cuts: dict[str, list] = {}
     for group in sorted(set(groups.tolist())):
@@ -79,8 +87,8 @@ def cutoffs_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part:
         k = max(1, math.ceil(rule.top_fraction * len(mine)))
         order = sorted(mine.tolist(), key=lambda i: (-score[i], ids[i]))
         cuts[group] = [float(score[order[k - 1]]), str(ids[order[k - 1]])]
-    kept = Counter(d for d, s, i, x in zip(domains, sources, ids, score, strict=True)
-                   if keeps(cfg, cuts, d, s, i, x))
+    kept = Counter(d for d, s, i, x, c in zip(domains, sources, ids, score, coherent, strict=True)
+                   if c and keeps(cfg, cuts, d, s, i, x))
     empty = sorted(set(domains) - set(kept))
     if empty:
         raise QualityError(
@@ -110,17 +118,22 @@ def _detail(cfg: QualityConfig, cuts: dict, domain: str, source: str, score: flo
 def keep_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
     """Keep one record shard's documents by their rule; every ledger row has the document's score."""
     cuts = json.loads((prior["cutoffs"][0] / CUTOFFS).read_text())
-    mine = pq.read_table(prior["score"][part[0]] / SCORES).column("score").to_pylist()
+    mine = pq.read_table(prior["score"][part[0]] / SCORES, columns=["score", "coherence"]).to_pylist()
+    judge = Judge(inputs["model"].dir)
     ledger = Ledger("quality", out)
     by_domain: dict[str, dict] = {}
     n_in = 0
     with DocWriter(out) as writer:
-        for row, score in zip(iter_docs(inputs["docs"].dir, shard=part), mine, strict=True):
+        for row, scored in zip(iter_docs(inputs["docs"].dir, shard=part), mine, strict=True):
             n_in += 1
+            score = scored["score"]
             d = by_domain.setdefault(row["domain"], {"documents": 0, "kept": 0, "histogram": [0] * BINS})
             d["documents"] += 1
             d["histogram"][min(int(score * BINS), BINS - 1)] += 1
-            if keeps(cfg, cuts, row["domain"], row["source"], row["id"], score):
+            if not judge.passes(scored["coherence"]):
+                ledger.add(row["id"], "dropped", "quality.incoherent", json.dumps(
+                    {"score": score, "coherence": scored["coherence"], "threshold": judge.threshold}))
+            elif keeps(cfg, cuts, row["domain"], row["source"], row["id"], score):
                 ledger.add(row["id"], "kept", "", json.dumps({"score": score}))
                 writer.write(row)
                 d["kept"] += 1

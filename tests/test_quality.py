@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pydantic
 import pytest
 
@@ -333,3 +334,145 @@ def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(t
     png = tmp_path / plots.QUALITY
     plots.quality_histograms(stats, rec["config"], png)
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
+def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, positives):
+    from moeflow.card import dataset
+    from moeflow.card.graph import collect
+
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5)))
+    said = dataset._classifier(collect([built["quality"].dir]))
+    held = built["model"].stats["heldout"]
+    assert said["what"] == "a fastText classifier trained by `quality_model`" and said["positives"] == "`reference`"
+    assert said["artifact"] == f"quality_model-{built['model'].hash}" and said["label"] == "__label__hq"
+    assert said["heldout"].startswith(f"precision {held['precision']}, recall {held['recall']}, ROC AUC "
+                                      f"{held['roc_auc']}")
+    assert said["rule"] == '{"threshold": 0.5, "top_fraction": null}'
+    by_domain = built["quality"].stats["by_domain"]
+    assert said["kept"] == ", ".join(f"{d} {v['kept']} of {v['documents']}" for d, v in by_domain.items())
+    assert dataset._classifier(collect([built["model"].dir])) is None  # no quality stage: nothing selected
+
+
+def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, positives):
+    """Two texts joined (at a sentence's end: no broken word to see) read as clean to a bag of n-grams, the
+    classifier's whole view; the coherence rule drops them, their coherence below every whole document's."""
+    rng, rows = random.Random(11), []
+    for i in range(40):
+        words, template = (WORDS, PROSE) if i % 2 else (OTHER, RAIL)
+        rows.append((f"good{i:02d}", _prose(rng, 40, words, template)))
+    for i in range(4):
+        first, second = ((WORDS, PROSE), (OTHER, RAIL))[:: 1 if i % 2 else -1]
+        rows.append((f"joined{i}", _prose(rng, 10 + 10 * i, *first) + " " + _prose(rng, 40 - 10 * i, *second)))
+    random.Random(2).shuffle(rows)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with DocWriter(corpus) as w:
+        for doc_id, text in rows:
+            w.write({"id": doc_id, "source": "web-src", "domain": "web", "path": "p", "text": text})
+    q = QualityConfig(positives=positives, keep=KeepRule(threshold=0.0),
+                      coherence=configs.Coherence(clean_loss=0.1, min_words=30))
+    built = _run(tmp_path, q, corpus=corpus)
+    threshold = built["model"].stats["coherence"]["threshold"]
+    ledger = {r["doc_id"]: r for r in read_ledger(built["quality"].dir).to_pylist()}
+    for i in range(4):
+        r = ledger[f"joined{i}"]
+        assert (r["fate"], r["reason"]) == ("dropped", "quality.incoherent"), r
+        assert json.loads(r["detail"])["coherence"] < threshold == json.loads(r["detail"])["threshold"]
+    dropped_whole = [d for d, r in ledger.items() if d.startswith("good") and r["fate"] == "dropped"]
+    assert len(dropped_whole) <= 4, dropped_whole  # about clean_loss of the 40
+    table = pq.read_table(built["quality"].dir / "scores.parquet").to_pylist()
+    joined = [r["coherence"] for r in table if r["id"].startswith("joined")]
+    assert max(joined) < min(r["coherence"] for r in table if r["id"].startswith("good"))
+
+
+@pytest.fixture(scope="module")
+def token_store(tmp_path_factory):
+    """30 documents in domains a and b, tokenized: document i is i * 40 words longer than document 0."""
+    from moeflow.configs import TokenizerConfig
+    from moeflow.tokenize import store, tokenizer
+
+    docs, tok_dir, store_dir = (tmp_path_factory.mktemp(n) for n in ("docs", "tok", "store"))
+    rng = random.Random(0)
+    with DocWriter(docs) as w:
+        for i in range(30):
+            text = " ".join(rng.choice(WORDS) for _ in range(400 + 40 * i))
+            w.write({"id": f"doc{i:02d}", "source": "s", "domain": "a" if i % 3 else "b", "path": "p", "text": text})
+    tokenizer.build(TokenizerConfig(kind="bpe", vocab_size=512), docs, tok_dir)
+    store.run(TokenizerConfig(shard_tokens=100_000), docs, tok_dir, store_dir)
+    return tok_dir, store_dir
+
+
+def test_quality_buckets_repeat_each_domains_best_documents_by_their_factor(token_store, tmp_path):
+    """Half of each domain scores >= 0.5 and is drawn 3 times as often per token as the other half; the
+    domains keep their weights, the stats and the model card's mix table hold tokens per bucket, and a bucket
+    needing more than max_epochs is named."""
+    from moeflow.card.model_card import _mix
+    from moeflow.configs import MixConfig, Phase
+    from moeflow.tokenize import mix
+
+    tok_dir, store_dir = token_store
+    scores = {f"doc{i:02d}": round((i % 15) / 15 + 0.01, 6) for i in range(30)}  # 0.01 .. 0.94, twice
+    buckets = ({"min_score": 0.5, "repeat": 3.0}, {"min_score": 0.0, "repeat": 1.0})
+    cfg = MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}, quality_buckets=buckets)
+    phase = Phase(name="main", index=0, steps=500, start_step=0, seq_len=32, weights={"a": 0.5, "b": 0.5})
+    stats = mix.run(cfg, seed=3, phases=[phase], batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir,
+                    out=tmp_path, leakage=False, scores=scores)
+    plan = stats["plan"]
+    assert sorted(plan) == ["a@0", "a@0.5", "b@0", "b@0.5"]
+    held = {d for ids in stats["heldout_doc_ids"].values() for d in ids}
+    for domain in ("a", "b"):
+        low, high = plan[f"{domain}@0"], plan[f"{domain}@0.5"]
+        drawn = [b["tokens"] / b["training_tokens_available"] for b in (high, low)]  # passes over each
+        assert 2.5 < drawn[0] / drawn[1] < 3.5, (domain, drawn)
+        members = [d for d in scores if d not in held and (int(d[3:]) % 3 != 0) == (domain == "a")]
+        assert high["documents"] == sum(scores[d] >= 0.5 for d in members)
+    shares = stats["train_tokens_per_domain"]
+    assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.02
+    assert set(stats["phases"][0]["tokens_per_domain"]) == set(plan)
+    assert "| a@0.5 |" in _mix(stats)["domains_table"] and "| a@0.5 |" in _mix(stats)["phases_table"]
+    tight = cfg.model_copy(update={"max_epochs": 1.0})
+    with pytest.raises(ConfigError, match=r"needs domain '[ab]@0\.5' repeated \d+ times .* mix\.max_epochs = 1"):
+        mix.run(tight, seed=3, phases=[phase], batch_size=4, store_dir=store_dir, tokenizer_dir=tok_dir,
+                out=tmp_path / "tight", leakage=False, scores=scores)
+
+
+@pytest.mark.parametrize(("buckets", "error"), [
+    ([{"min_score": 0.5, "repeat": 2}], r"mix\.quality_buckets.*no bucket starts at min_score 0"),
+    ([{"min_score": 0, "repeat": 1}, {"min_score": 0, "repeat": 2}], r"mix\.quality_buckets.*share a min_score"),
+    ([{"min_score": 0, "repeat": 0}], r"mix\.quality_buckets\.0\.repeat"),
+    ([{"min_score": 1.5, "repeat": 1}], r"mix\.quality_buckets\.0\.min_score"),
+])
+def test_a_bad_quality_bucket_is_a_config_error_naming_the_field(tmp_path, buckets, error):
+    with pytest.raises(ConfigError, match=error):
+        configs.load("smoke", mix={"quality_buckets": buckets})
+
+
+def test_quality_buckets_without_a_quality_section_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"mix\.quality_buckets splits domains by the quality stage's scores"):
+        configs.load("smoke", quality=None, mix={"quality_buckets": [{"min_score": 0, "repeat": 1}]})
+
+
+def test_the_mix_reads_the_quality_scores_only_with_buckets():
+    """With mix.quality_buckets the mix stage is given the quality stage's artifact (its scores, and its key
+    follows them); without, its inputs are as before, and rungs' and proxies' mixes draw domains whole."""
+    from moeflow.flows.pretrain import dag
+    from moeflow.tasks.registry import STAGES
+
+    def mix_inputs(cfg: configs.RunConfig) -> dict:
+        seen = {}
+
+        def plan(stage, **inputs):
+            seen[stage.name] = inputs
+            return stage.name
+
+        dag(plan, cfg)
+        return seen["mix"]
+
+    smoke = configs.load("smoke")
+    assert mix_inputs(smoke) == {"shards": "tokenize", "tokenizer": "tokenizer"}
+    bucketed = configs.load("smoke", mix={"quality_buckets": [{"min_score": 0, "repeat": 1},
+                                                              {"min_score": 0.8, "repeat": 2}]})
+    assert mix_inputs(bucketed) == {"shards": "tokenize", "tokenizer": "tokenizer", "quality": "quality"}
+    assert [b.min_score for b in bucketed.mix.quality_buckets] == [0.0, 0.8]
+    for own in ("rung_mix", "proxy_mix"):
+        assert STAGES[own].config(bucketed)["mix"].quality_buckets == ()

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moeflow.configs import ConfigError, MixConfig, Phase
+from moeflow.quality import buckets
 from moeflow.tokenize import heldout as heldout_split
 from moeflow.tokenize.store import iter_tokens
 from moeflow.tokenize.tokenizer import EOS
@@ -162,6 +163,7 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         tokenizer_dir=inputs["tokenizer"].dir,
         out=out,
         leakage=s["leakage"],
+        scores=buckets.read_scores(inputs["quality"].dir) if "quality" in inputs else None,
     )
 
 
@@ -175,15 +177,19 @@ def run(
     tokenizer_dir: Path,
     out: Path,
     leakage: bool = True,
+    scores: dict[str, float] | None = None,
 ) -> dict:
     """Write `train.arrow` (every phase's sequences in training order) and `heldout.arrow` (at the last
     phase's context length) and, with `leakage`, `leakage.json` (`tokenize.heldout.leakage`); raise
-    ConfigError when a phase needs more repetition than `max_epochs`."""
+    ConfigError when a phase needs more repetition than `max_epochs`. With `mix.quality_buckets`, each
+    domain's training documents are drawn in buckets by their `scores` (`quality/buckets.py`)."""
     tok = load_tokenizer(tokenizer_dir)
     eos, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
     index = pq.read_table(Path(store_dir) / "index.parquet").to_pylist()
     length = {r["doc_id"]: r["tokens"] for r in index}  # sampling and packing need lengths; tokens are read last
     train, heldout = heldout_split.split(_by_domain(index, phases), cfg.heldout)
+    train, phases, bucket_of = buckets.split(cfg, train, scores, length, phases)
+    labelled = [{**r, "domain": bucket_of.get(r["doc_id"], r["domain"])} for r in index] if bucket_of else index
     rng = np.random.default_rng(seed)
     domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
@@ -193,14 +199,14 @@ def run(
         segments = _packed(ph, drawn, ph.steps * batch_size, rng)
         all_segments += segments
         phase_col += [ph.index] * len(segments)
-        plan.append(_phase_record(ph, segments, targets, index, domains))
+        plan.append(_phase_record(ph, segments, targets, labelled, domains))
     last = phases[-1].seq_len
     ho_segs, ho_domains = _heldout_rows(heldout, length, last)
     _write_all(out, store_dir, eos, vocab, all_segments, phase_col, ho_segs, ho_domains)
     leaks = heldout_split.leakage(store_dir, tok, train, heldout, cfg.heldout) if leakage else None
     if leaks is not None:
         (out / LEAKAGE).write_text(json.dumps(leaks, indent=1))
-    per_domain = _per_domain(all_segments, index)
+    per_domain, per_label = _per_domain(all_segments, index), _per_domain(all_segments, labelled)
     return {
         "documents_in": len(index),
         "seed": seed,
@@ -210,15 +216,8 @@ def run(
         "train_tokens": sum(p["tokens"] for p in plan),
         "train_tokens_per_domain": per_domain,
         "phases": plan,
-        "plan": {
-            d: {
-                "documents": len(train[d]),
-                "training_tokens_available": domain_tokens[d],
-                "epochs": s.epochs,
-                "tokens": per_domain.get(d, 0),
-            }
-            for d, s in domains.items()
-        },
+        "plan": {d: {"documents": len(train[d]), "training_tokens_available": domain_tokens[d],
+                     "epochs": s.epochs, "tokens": per_label.get(d, 0)} for d, s in domains.items()},
         "heldout_documents": {d: len(v) for d, v in sorted(heldout.items())},
         "heldout_sequences": {d: ho_domains.count(d) for d in sorted(heldout)},
         "heldout_doc_ids": {d: sorted(v) for d, v in sorted(heldout.items())},

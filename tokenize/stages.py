@@ -22,6 +22,12 @@ def _mix_config(c: RunConfig, leakage: bool = True) -> dict:
             "leakage": leakage}
 
 
+def _own_mix_config(c: RunConfig) -> dict:
+    """A rung's or a proxy's mix: no leakage measured (the target's split), and no quality buckets (its stage
+    is given no scores; its domains are drawn whole)."""
+    return _mix_config(c.model_copy(update={"mix": c.mix.model_copy(update={"quality_buckets": ()})}), False)
+
+
 TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files,
                   reads="docs")
 TOKENIZE = Stage(
@@ -36,7 +42,7 @@ TOKENIZE = Stage(
 MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow", "tokenizers", "xxhash"), reads="shards")
 # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card never takes a
 # rung's mix for the target's); the split is the target's, so its leakage is measured there only
-RUNG_MIX = Stage("rung_mix", lambda c: _mix_config(c, leakage=False), mix.stage, ("numpy", "pyarrow"),
+RUNG_MIX = Stage("rung_mix", _own_mix_config, mix.stage, ("numpy", "pyarrow"),
                  reads="shards")
-PROXY_MIX = Stage("proxy_mix", lambda c: _mix_config(c, leakage=False), mix.stage, ("numpy", "pyarrow"),
+PROXY_MIX = Stage("proxy_mix", _own_mix_config, mix.stage, ("numpy", "pyarrow"),
                   reads="shards")
