@@ -58,6 +58,9 @@ class Stage:
     # that instead when every phase has one part. Phase bodies live in the body's module.
     phases: tuple[Phase, ...] = ()
     merge: Callable[[Any, dict[str, list[Path]], Path], dict] | None = None
+    # the config section the slice's fields belong to (`filter`, `quality`), where the slice is one section or
+    # part of one: `moeflow why` names a changed field by its full path (`quality.keep.top_fraction`)
+    section: str = ""
 
     @property
     def module(self) -> str:

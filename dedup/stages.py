@@ -43,6 +43,7 @@ DEDUP = Stage(
     reads="docs",
     phases=tuple(Phase(name, body, _dedup_parts(name)) for name, body in corpus.PHASES),
     merge=corpus.merge,
+    section="dedup",
 )
 BENCHMARKS = Stage(
     "benchmarks",
@@ -59,6 +60,7 @@ DECONTAMINATE = Stage(
     reads="docs",
     phases=(Phase("shard", contamination.shard, record_shards),),
     merge=contamination.merge,
+    section="decontaminate",
 )
 OVERLAP = Stage(
     "overlap",
@@ -68,4 +70,5 @@ OVERLAP = Stage(
     reads="shards",
     phases=(Phase("shard", contamination.overlap_part, record_shards),),
     merge=contamination.overlap_merge,
+    section="decontaminate",
 )

@@ -15,4 +15,5 @@ FILTER = Stage(
     reads="docs",
     phases=(Phase("shard", heuristics.shard, lambda c, inputs: c.filter.shards or c.execution.shards),),
     merge=heuristics.merge,
+    section="filter",
 )

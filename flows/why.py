@@ -117,7 +117,7 @@ class DryRun:
         if "key" not in prev:
             plan.reasons.append(f"{plan.against} was built by a moeflow that did not record its key parts")
             return
-        reasons = keys.explain(prev["key"], parts)
+        reasons = keys.explain(prev["key"], parts, STAGES[plan.stage].section)
         if plan.stage == "mix" and self.searching:
             reasons = [r for r in reasons if not re.match(r"config (mix\.)?(phases\.\d+\.)?weights\.", r)]
             reasons.append("config weights: chosen by mix_search, which is rebuilt first")

@@ -90,12 +90,13 @@ def _short(value: Any, width: int = 60) -> str:
 _MISSING = object()
 
 
-def explain(old: dict, new: dict) -> list[str]:
+def explain(old: dict, new: dict, section: str = "") -> list[str]:
     """Why key parts `new` differ from `old`: one line per config field, module, library, fetched file
-    or input that changed."""
+    or input that changed; a config field by its path under `section` when the slice is one."""
     lines: list[str] = []
     a, b = _flat(old.get("config")), _flat(new.get("config"))
-    lines += [f"config {k}: {_short(a.get(k, _MISSING))} -> {_short(b.get(k, _MISSING))}"
+    under = f"{section}." if section else ""
+    lines += [f"config {under}{k}: {_short(a.get(k, _MISSING))} -> {_short(b.get(k, _MISSING))}"
               for k in sorted(set(a) | set(b)) if a.get(k, _MISSING) != b.get(k, _MISSING)]
     x, y = _flat(old.get("fetched") or {}), _flat(new.get("fetched") or {})
     lines += [f"fetched {k}: {_short(x.get(k, _MISSING))} -> {_short(y.get(k, _MISSING))}"

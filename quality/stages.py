@@ -12,7 +12,8 @@ def _shards(c, inputs) -> int:
 
 
 LIBRARIES = ("fasttext-numpy2-wheel", "numpy")
-QUALITY_MODEL = Stage("quality_model", classifier.config, classifier.stage, LIBRARIES, fetched=classifier.fetched)
+QUALITY_MODEL = Stage("quality_model", classifier.config, classifier.stage, LIBRARIES, fetched=classifier.fetched,
+                      section="quality")
 QUALITY = Stage(
     "quality",
     lambda c: c.quality,
@@ -25,4 +26,5 @@ QUALITY = Stage(
         Phase("keep", score.keep_part, _shards),
     ),
     merge=score.merge,
+    section="quality",
 )

@@ -277,6 +277,25 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
                keys.explain(before, parts("quality_model", QualityConfig(model=str(model)))))
 
 
+def test_why_names_a_changed_quality_field_by_its_path_and_reuses_the_model(tmp_path, positives):
+    """`moeflow why`'s dry run against a store that holds both stages: a keep rule changed is named
+    `quality.keep...` (as `filter.*` and `train.*` fields are named), and the model is reused."""
+    from moeflow.flows.why import DryRun, Plan
+    from moeflow.quality.stages import QUALITY, QUALITY_MODEL
+
+    store = _fresh_store(tmp_path / "why")
+    cfg = stage_config(store, quality=QualityConfig(positives=positives, keep=KeepRule(top_fraction=0.9)))
+    docs = docs_artifact(store, _corpus(tmp_path / "corpus"))
+    model = materialize("quality_model", cfg, {"docs": docs})
+    materialize("quality", cfg, {"docs": docs, "model": model})
+    stricter = cfg.model_copy(update={"quality": cfg.quality.model_copy(update={"keep": KeepRule(top_fraction=0.5)})})
+    run = DryRun(stricter)
+    planned = run(QUALITY_MODEL, docs=Plan("docs", "filter", "reuse", manifest=docs))
+    assert planned.status == "reuse" and planned.manifest.path == model.path
+    planned = run(QUALITY, docs=Plan("docs", "filter", "reuse", manifest=docs), model=planned)
+    assert planned.status == "rebuild" and planned.reasons == ["config quality.keep.top_fraction: 0.9 -> 0.5"]
+
+
 def test_degraders_are_seeded_change_the_text_and_unknown_kinds_are_named():
     from moeflow.quality.degrade import DEGRADERS, degrade
 
