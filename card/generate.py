@@ -29,10 +29,9 @@ def generate(start: Path | list[Path], out: Path) -> dict:
     train = single(graph, "train")
     metrics = roots[0].parent.parent / "train" / artifact_name(train["artifact"]) / "metrics.jsonl"
     plots.health(metrics, train["config"]["train"], out / "plots")
-    fil = single(graph, "filter")
-    plots.filter_waterfall(plots.waterfall(fil["stats"], list(fil["config"].get("steps", []))),
-                           out / "plots" / plots.WATERFALL)
-    quality = single(graph, "quality", required=False)
+    fil, quality = single(graph, "filter"), single(graph, "quality", required=False)
+    plots.filter_waterfall(plots.waterfall(fil["stats"], list(fil["config"].get("steps", [])),
+                                           quality and quality["stats"]), out / "plots" / plots.WATERFALL)
     if quality is not None:
         plots.quality_histograms(quality["stats"], quality["config"], out / "plots" / plots.QUALITY)
     card_md, report_md = render_card(graph), render_report(graph)

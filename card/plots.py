@@ -138,12 +138,20 @@ def _expert_load(rs: list[dict], step: np.ndarray, path: Path) -> None:
 WATERFALL = "filter_waterfall.png"
 
 
-def waterfall(stats: dict, steps: list[str]) -> dict[str, list[tuple[str, int, int]]]:
+def _read(counts: dict) -> int:
+    """Documents a stage read of a source, from its per-source counts (kept, dropped:<reason>)."""
+    return counts.get("kept", 0) + sum(n for k, n in counts.items() if k.startswith("dropped:"))
+
+
+def waterfall(stats: dict, steps: list[str], quality: dict | None = None) -> dict[str, list[tuple[str, int, int]]]:
     """Per source, from the filter stage's stats: (step, documents it removed, documents left after it) in
-    the order the steps ran, after ("read", 0, documents in); drops no configured step names, as "other"."""
+    the order the steps ran, after ("read", 0, documents in); drops no configured step names, as "other".
+    Given the quality stage's stats (with its per-source counts), then "dedup" (what left between the filter
+    and the quality stage) and "quality" (what the classifier's rule or the coherence rule dropped)."""
     out = {}
+    later = (quality or {}).get("by_source")
     for src, counts in sorted(stats.get("by_source", {}).items()):
-        left = counts.get("kept", 0) + sum(n for k, n in counts.items() if k.startswith("dropped:"))
+        left = _read(counts)
         rows = [("read", 0, left)]
         for step in steps:
             removed = sum(n for k, n in counts.items() if k.startswith(f"dropped:{step}."))
@@ -151,12 +159,16 @@ def waterfall(stats: dict, steps: list[str]) -> dict[str, list[tuple[str, int, i
             rows.append((step, removed, left))
         if left != counts.get("kept", 0):
             rows.append(("other", left - counts.get("kept", 0), counts.get("kept", 0)))
+        if later is not None:
+            scored = later.get(src, {})
+            rows.append(("dedup", counts.get("kept", 0) - _read(scored), _read(scored)))
+            rows.append(("quality", _read(scored) - scored.get("kept", 0), scored.get("kept", 0)))
         out[src] = rows
     return out
 
 
 def filter_waterfall(rows: dict[str, list[tuple[str, int, int]]], path: Path) -> None:
-    """Documents left per source after each filter step, as grouped bars, the removed count on each."""
+    """Documents left per source after each step (`waterfall`), as grouped bars, the removed count on each."""
     plt = _pyplot()
     steps = [s for s, _, _ in next(iter(rows.values()))] if rows else ["read"]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(steps)), 3.6))
@@ -170,7 +182,7 @@ def filter_waterfall(rows: dict[str, list[tuple[str, int, int]]], path: Path) ->
                             ha="center", va="bottom", fontsize=7)
     ax.set_xticks(np.arange(len(steps)) + 0.4 - width / 2, steps, rotation=20, ha="right")
     ax.set_ylabel("documents left")
-    ax.set_title("filter: documents left after each step, per source (-n: removed by the step)")
+    ax.set_title("documents left after each step, per source (-n: removed by the step)")
     ax.legend(fontsize=7)
     _save(fig, path)
 

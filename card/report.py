@@ -73,8 +73,9 @@ def drill_down(graph: dict[str, dict], per_shard: int = 3) -> list[str]:
     return render(DRILL_DOWN, drill=drill).split("\n") if drill else []
 
 
-def _artifact(name: str, r: dict, built: set[str]) -> dict:
-    """One artifact's section of the report: where it came from, how it ran, its config and stats."""
+def _artifact(name: str, r: dict, built: set[str], quality: dict | None = None) -> dict:
+    """One artifact's section of the report: where it came from, how it ran, its config and stats (and
+    `quality`, the quality stage's record, for the filter's waterfall)."""
     prev, changes = config_diff(r)
     return {
         "name": name,
@@ -95,7 +96,7 @@ def _artifact(name: str, r: dict, built: set[str]) -> dict:
         "changes": "; ".join(changes),
         "config": json.dumps(r["config"], indent=2, sort_keys=True),
         "stats": json.dumps({k: v for k, v in r["stats"].items() if k != "review"}, indent=2, sort_keys=True),
-        "waterfall": _waterfall_table(r) if r["stage"] == "filter" else None,
+        "waterfall": _waterfall_table(r, quality) if r["stage"] == "filter" else None,
         "quality": _quality_table(r) if r["stage"] == "quality" else None,
     }
 
@@ -118,9 +119,10 @@ def _quality_table(rec: dict) -> str | None:
                   "just above (kept, lowest 5)", "just below (dropped, highest 5)"], rows) if rows else None
 
 
-def _waterfall_table(rec: dict) -> str | None:
-    """The filter's documents left per source after each step (the chart is `plots/filter_waterfall.png`)."""
-    rows = waterfall(rec["stats"], list(rec["config"].get("steps", [])))
+def _waterfall_table(rec: dict, quality: dict | None) -> str | None:
+    """The filter's documents left per source after each step, then dedup's and the quality stage's (the chart
+    is `plots/filter_waterfall.png`)."""
+    rows = waterfall(rec["stats"], list(rec["config"].get("steps", [])), quality and quality["stats"])
     if not rows:
         return None
     steps = [s for s, _, _ in next(iter(rows.values()))]
@@ -156,6 +158,7 @@ def review(graph: dict[str, dict]) -> dict | None:
 def render_report(graph: dict[str, dict]) -> str:
     """Every artifact's config, inputs, code, run and stats, upstream first, then the drill-down."""
     run, built = last_run(graph)
+    quality = single(graph, "quality", required=False)
     return render(
         TEMPLATE,
         dag=DAG,
@@ -165,7 +168,7 @@ def render_report(graph: dict[str, dict]) -> str:
         rebuilt=len(built),
         reused=len(graph) - len(built),
         names=list(graph),
-        artifacts=[_artifact(name, r, built) for name, r in graph.items()],
+        artifacts=[_artifact(name, r, built, quality) for name, r in graph.items()],
         drill=_drill(graph, 3),
         review=review(graph),
     )

@@ -122,6 +122,7 @@ def keep_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tu
     judge = Judge(inputs["model"].dir)
     ledger = Ledger("quality", out)
     by_domain: dict[str, dict] = {}
+    by_source: dict[str, Counter] = {}  # kept and dropped:<reason>, as the filter counts them (the waterfall)
     n_in = 0
     with DocWriter(out) as writer:
         for row, scored in zip(iter_docs(inputs["docs"].dir, shard=part), mine, strict=True):
@@ -130,27 +131,36 @@ def keep_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tu
             d = by_domain.setdefault(row["domain"], {"documents": 0, "kept": 0, "histogram": [0] * BINS})
             d["documents"] += 1
             d["histogram"][min(int(score * BINS), BINS - 1)] += 1
+            counts = by_source.setdefault(row["source"], Counter())
             if not judge.passes(scored["coherence"]):
                 ledger.add(row["id"], "dropped", "quality.incoherent", json.dumps(
                     {"score": score, "coherence": scored["coherence"], "threshold": judge.threshold}))
+                counts["dropped:quality.incoherent"] += 1
             elif keeps(cfg, cuts, row["domain"], row["source"], row["id"], score):
                 ledger.add(row["id"], "kept", "", json.dumps({"score": score}))
                 writer.write(row)
                 d["kept"] += 1
+                counts["kept"] += 1
             else:
                 ledger.add(row["id"], "dropped", "quality.below_threshold",
                            _detail(cfg, cuts, row["domain"], row["source"], score))
+                counts["dropped:quality.below_threshold"] += 1
         n_out = writer.count
     ledger.write()
-    return {**ledger.check(n_in, n_out), "by_domain": dict(sorted(by_domain.items()))}
+    return {**ledger.check(n_in, n_out), "by_domain": dict(sorted(by_domain.items())),
+            "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())}}
 
 
 def merge(cfg: QualityConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     """Join the shards in rank order: documents, ledgers, scores, and the per-domain counts and histograms."""
     parts = prior["keep"]
     by_domain: dict[str, dict] = {}
+    by_source: dict[str, Counter] = {}
     for p in parts:
-        for domain, d in json.loads((p / "manifest.json").read_text())["stats"]["by_domain"].items():
+        stats = json.loads((p / "manifest.json").read_text())["stats"]
+        for source, counts in stats["by_source"].items():
+            by_source.setdefault(source, Counter()).update(counts)
+        for domain, d in stats["by_domain"].items():
             acc = by_domain.setdefault(domain, {"documents": 0, "kept": 0, "histogram": [0] * BINS})
             acc["documents"] += d["documents"]
             acc["kept"] += d["kept"]
@@ -161,7 +171,8 @@ def merge(cfg: QualityConfig, prior: dict[str, list[Path]], out: Path) -> dict:
     joined = join(parts, out, "quality")
     for domain, examples in borderline(table, read_ledger(out).column("fate").to_pylist()).items():
         by_domain[domain]["borderline"] = examples
-    return {**joined, "by_domain": dict(sorted(by_domain.items())), "cutoffs": cuts, "shards": len(parts)}
+    return {**joined, "by_domain": dict(sorted(by_domain.items())), "cutoffs": cuts, "shards": len(parts),
+            "by_source": {s: dict(sorted(c.items())) for s, c in sorted(by_source.items())}}
 
 
 def borderline(scores: pa.Table, fates: list[str], n: int = 5) -> dict[str, dict]:

@@ -5,6 +5,7 @@ Cold run, full reuse, partial reruns, card regeneration, early failure.
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,6 +15,8 @@ from huggingface_hub import ModelCard
 
 from helpers import write_config
 from moeflow import card
+from moeflow.core.documents import iter_docs
+from moeflow.core.ledger import read as read_ledger
 from moeflow.flows.pretrain import pretrain
 from moeflow.ingest import SourceError
 
@@ -466,15 +469,21 @@ def test_moeflow_run_on_its_own_server_prints_no_traceback(smoke_data, tmp_path)
 
 def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
     """Per source, the documents left after each filter step in the report's table equal the filter's
-    ledger counts (read = kept + every drop; each step removes its own reasons); the chart is inlined."""
+    ledger counts (read = kept + every drop; each step removes its own reasons), then after dedup and the
+    quality stage, whose ledger's drops of the source it shows; the chart is inlined."""
     _, summary = cold
     folder = Path(summary["card"]).parent
     fil = json.loads((Path(summary["stages"]["filter"]["artifact"]) / "lineage.json").read_text())
+    quality = Path(summary["stages"]["quality"]["artifact"])
+    source_of = {d["id"]: d["source"] for d in iter_docs(Path(summary["stages"]["dedup"]["artifact"]),
+                                                          columns=["id", "source"])}
+    quality_dropped = Counter(source_of[r["doc_id"]] for r in read_ledger(quality).to_pylist()
+                              if r["fate"] == "dropped")
     report = (folder / card.REPORT).read_text()
     steps = list(fil["config"]["steps"])
     table = report.split("## Filter waterfall", 1)[1].split("\n|", 1)[1].split("\n\n", 1)[0]
     header, _, *rows = ("|" + table).splitlines()
-    assert [c.strip() for c in header.strip("|").split("|")] == ["source", "read", *steps]
+    assert [c.strip() for c in header.strip("|").split("|")] == ["source", "read", *steps, "dedup", "quality"]
     assert {r.split("|")[1].strip() for r in rows} == set(fil["stats"]["by_source"])
     for row in rows:
         src, *cells = [c.strip() for c in row.strip("|").split("|")]
@@ -484,7 +493,9 @@ def test_report_shows_the_filter_waterfall_from_the_ledger_counts(cold):
         for i, step in enumerate(steps, start=1):
             removed = sum(n for k, n in counts.items() if k.startswith(f"dropped:{step}."))
             assert left[i - 1] - left[i] == removed, (src, step)
-        assert left[-1] == counts["kept"]
+        assert left[len(steps)] == counts["kept"]
+        assert left[-2] == sum(s == src for s in source_of.values())  # what dedup left of the source
+        assert left[-2] - left[-1] == quality_dropped[src]
     assert (folder / "plots" / "filter_waterfall.png").stat().st_size > 1000
     assert "(plots/filter_waterfall.png)" not in (folder / card.HTML).read_text()  # inlined
 

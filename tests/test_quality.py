@@ -151,6 +151,7 @@ def test_output_is_the_same_bytes_for_any_shard_count(tmp_path, positives):
     for name in ("docs.parquet", "ledger.parquet", "scores.parquet"):
         assert (one.dir / name).read_bytes() == (three.dir / name).read_bytes(), name
     assert one.stats["fates"] == three.stats["fates"] and three.stats["shards"] == 3
+    assert one.stats["by_source"] == three.stats["by_source"]
     forum = one.stats["by_domain"]["forum"]
     assert forum["kept"] == math.ceil(0.7 * forum["documents"])  # exactly the top fraction, ties by id
     assert sum(forum["histogram"]) == forum["documents"]
@@ -353,6 +354,33 @@ def test_report_and_chart_show_each_domains_line_and_the_documents_either_side(t
     png = tmp_path / plots.QUALITY
     plots.quality_histograms(stats, rec["config"], png)
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
+def test_the_filter_waterfall_gains_the_quality_step_per_source(tmp_path, positives):
+    """The quality stage counts its drops per source as the filter does; the report's waterfall shows them
+    per source after the filter's steps and dedup, as many as the ledger drops."""
+    from collections import Counter
+
+    from moeflow.card import plots, report
+
+    corpus = _corpus(tmp_path / "corpus")
+    q = QualityConfig(positives=positives, keep=KeepRule(threshold=0.5), synthetic_negatives=DCLM)
+    built = _run(tmp_path, q, corpus=corpus)["quality"]
+    source_of = {d["id"]: d["source"] for d in iter_docs(corpus)}
+    dropped = Counter(source_of[r["doc_id"]] for r in read_ledger(built.dir).to_pylist() if r["fate"] == "dropped")
+    read = Counter(source_of.values())
+    assert sorted(dropped) == sorted(read) == ["forum-src", "news-src"]
+    # the filter's record of a corpus that held, per source, 2 documents gopher dropped and 3 that dedup removed
+    fil = {"stage": "filter", "config": {"steps": ["gopher_quality"]}, "stats": {"by_source": {
+        s: {"kept": n + 3, "dropped:gopher_quality.gopher_short_doc": 2} for s, n in read.items()}}}
+    header, _, *rows = report._waterfall_table(fil, {"stats": built.stats}).splitlines()
+    assert header == "| source | read | gopher_quality | dedup | quality |"
+    assert rows == [f"| {s} | {read[s] + 5} | {read[s] + 3} (-2) | {read[s]} (-3) | {read[s] - dropped[s]} "
+                    f"(-{dropped[s]}) |" for s in sorted(read)]
+    assert report._waterfall_table(fil, None).splitlines()[0] == "| source | read | gopher_quality |"
+    png = tmp_path / plots.WATERFALL
+    plots.filter_waterfall(plots.waterfall(fil["stats"], ["gopher_quality"], built.stats), png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, positives):
