@@ -73,9 +73,9 @@ def drill_down(graph: dict[str, dict], per_shard: int = 3) -> list[str]:
     return render(DRILL_DOWN, drill=drill).split("\n") if drill else []
 
 
-def _artifact(name: str, r: dict, built: set[str], quality: dict | None = None) -> dict:
-    """One artifact's section of the report: where it came from, how it ran, its config and stats (and
-    `quality`, the quality stage's record, for the filter's waterfall)."""
+def _artifact(name: str, graph: dict[str, dict], built: set[str]) -> dict:
+    """One artifact's section of the report: where it came from, how it ran, its config and stats."""
+    r = graph[name]
     prev, changes = config_diff(r)
     return {
         "name": name,
@@ -96,9 +96,43 @@ def _artifact(name: str, r: dict, built: set[str], quality: dict | None = None) 
         "changes": "; ".join(changes),
         "config": json.dumps(r["config"], indent=2, sort_keys=True),
         "stats": json.dumps({k: v for k, v in r["stats"].items() if k != "review"}, indent=2, sort_keys=True),
-        "waterfall": _waterfall_table(r, quality) if r["stage"] == "filter" else None,
+        "waterfall": _waterfall_table(r, single(graph, "quality", required=False)) if r["stage"] == "filter" else None,
         "quality": _quality_table(r) if r["stage"] == "quality" else None,
+        "classifier": _classifier(r, graph) if r["stage"] == "quality_model" else None,
     }
+
+
+def _classifier(rec: dict, graph: dict[str, dict]) -> dict:
+    """The quality classifier's held-out metrics (or "not measured"), and where each of its positives came from
+    as its lineage records it: a registry package (version, sha256, the `sources` artifact that fetched it) or
+    files on this machine."""
+    s, fetched = rec["stats"], rec.get("key", {}).get("fetched", {})
+    held = s.get("heldout", "not measured")
+    given = fetched.get("file:quality.model")
+    model = f"given: `{given['path']}` (xxh3 `{given['xxh3']}`)" if given else s["source"]
+    measured = ([held] * 3 + ["-", "-"] if isinstance(held, str)
+                else [held["precision"], held["recall"], held["roc_auc"], held["positives"], held["negatives"]])
+    metrics = table(["classifier", "model", "label", "precision", "recall", "ROC AUC", "held-out clean",
+                     "held-out junk"], [[f"`{artifact_name(rec['artifact'])}`", model, f"`{s['label']}`", *measured]])
+    rows = [_positive(p, fetched, graph) for p in rec["config"].get("positives", [])]
+    return {"metrics": metrics,
+            "positives": table(["positive source", "files", "identity", "lineage"], rows) if rows else None}
+
+
+def _positive(p: dict, fetched: dict, graph: dict[str, dict]) -> list[str]:
+    """One positive source's row: what it read, the identity in the classifier's key, where that came from."""
+    if not p.get("package"):
+        files = fetched.get(f"local:{p['name']}") or []
+        size = sum(f.get("size") or 0 for f in files)
+        return [f"`{p['name']}`", f"`{p['path']}`", f"{len(files)} files, {size:,} bytes (paths, sizes and mtimes "
+                "in the key)", "read from this machine by `quality_model`"]
+    ident = fetched.get(f"package:{p['package']}") or {}
+    by = [artifact_name(r["artifact"]) for r in graph.values()
+          if r["stage"] == "sources" and p["package"] in r["stats"].get("packages", {})]
+    return [f"`{p['name']}`", f"package `{p['package']}`: `{p['path']}`",
+            f"version {ident.get('version')}, sha256 `{ident.get('sha256')}`, tree `{ident.get('tree')}`"
+            if ident.get("tree") else "not fetched (an optional source: skipped)",
+            ("fetched by " + ", ".join(f"`{b}`" for b in by)) if by else "no `sources` artifact in this lineage"]
 
 
 def _quality_table(rec: dict) -> str | None:
@@ -158,7 +192,6 @@ def review(graph: dict[str, dict]) -> dict | None:
 def render_report(graph: dict[str, dict]) -> str:
     """Every artifact's config, inputs, code, run and stats, upstream first, then the drill-down."""
     run, built = last_run(graph)
-    quality = single(graph, "quality", required=False)
     return render(
         TEMPLATE,
         dag=DAG,
@@ -168,7 +201,7 @@ def render_report(graph: dict[str, dict]) -> str:
         rebuilt=len(built),
         reused=len(graph) - len(built),
         names=list(graph),
-        artifacts=[_artifact(name, r, built, quality) for name, r in graph.items()],
+        artifacts=[_artifact(name, graph, built) for name in graph],
         drill=_drill(graph, 3),
         review=review(graph),
     )

@@ -515,6 +515,22 @@ def test_report_shows_quality_kept_per_domain_with_score_histograms(cold):
     assert row in (Path(summary["card"]).parent / "dataset_card.md").read_text()
 
 
+def test_report_tables_the_classifiers_metrics_and_links_each_positive_to_the_artifact_that_fetched_it(cold):
+    _, summary = cold
+    report = (Path(summary["card"]).parent / card.REPORT).read_text()
+    model = json.loads((Path(summary["stages"]["quality_model"]["artifact"]) / "lineage.json").read_text())
+    held, name = model["stats"]["heldout"], f"quality_model-{model['artifact']['hash']}"
+    sources = Path(summary["stages"]["sources"]["artifact"]).name
+    section = report.split("## Quality classifier", 1)[1].split("\n## ", 1)[0]
+    assert (f"| `{name}` | trained | `__label__hq` | {held['precision']} | {held['recall']} | {held['roc_auc']} | "
+            f"{held['positives']} | {held['negatives']} |") in section
+    for p in model["config"]["positives"]:
+        ident = model["key"]["fetched"][f"package:{p['package']}"]
+        assert (f"| `{p['name']}` | package `{p['package']}`: `{p['path']}` | version {ident['version']}, sha256 "
+                f"`{ident['sha256']}`, tree `{ident['tree']}` | fetched by `{sources}` |") in section
+    assert report.index("## Quality classifier") < report.index("## Quality scores")
+
+
 def _trained_by(summary: dict) -> str:
     """The flow run that built `summary`'s train artifact (a later run may have rebuilt it in place)."""
     train = Path(summary["stages"]["train"]["artifact"])

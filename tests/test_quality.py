@@ -383,6 +383,35 @@ def test_the_filter_waterfall_gains_the_quality_step_per_source(tmp_path, positi
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_lineage_report_tables_the_classifiers_heldout_metrics_and_where_its_positives_came_from(tmp_path, positives):
+    """Trained from local positives: its measured metrics and the files its key records; a given model
+    without positives: "not measured" and the given file by its bytes."""
+    from moeflow.card import report
+    from moeflow.card.graph import collect
+    from moeflow.store.format import file_xxh3
+
+    built = _run(tmp_path, QualityConfig(positives=positives))["model"]
+    graph = collect([built.dir])
+    said = report._classifier(graph[f"quality_model-{built.hash}"], graph)
+    held = built.stats["heldout"]
+    assert said["metrics"].splitlines()[2] == (
+        f"| `quality_model-{built.hash}` | trained | `__label__hq` | {held['precision']} | {held['recall']} | "
+        f"{held['roc_auc']} | {held['positives']} | {held['negatives']} |")
+    files = sorted((tmp_path / "pos").glob("*.txt"))
+    assert said["positives"].splitlines()[2] == (
+        f"| `reference` | `{tmp_path / 'pos' / '*.txt'}` | {len(files)} files, {sum(f.stat().st_size for f in files):,}"
+        " bytes (paths, sizes and mtimes in the key) | read from this machine by `quality_model` |")
+    given = tmp_path / "given.bin"
+    given.write_bytes((built.dir / "model.bin").read_bytes())
+    mine = _run(tmp_path, QualityConfig(model=str(given)))["model"]
+    graph = collect([mine.dir])
+    said = report._classifier(graph[f"quality_model-{mine.hash}"], graph)
+    assert said["metrics"].splitlines()[2] == (
+        f"| `quality_model-{mine.hash}` | given: `{given}` (xxh3 `{file_xxh3(given)}`) | `__label__hq` | "
+        "not measured | not measured | not measured | - | - |")
+    assert said["positives"] is None
+
+
 def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, positives):
     from moeflow.card import dataset
     from moeflow.card.graph import collect
