@@ -280,3 +280,17 @@ def test_the_held_out_section_names_the_documents_each_loss_covers_and_what_trai
             "domain's held-out loss overstates generalisation: lit/ab_folio.") in text
     assert "| `lit/ab_folio` | lit | 30.0% | `lit/ab_modern` | 118 |" in text
     assert "`py/c`" not in text  # only the leaks, when there are any
+
+
+def test_the_waterfall_gives_every_source_the_same_columns():
+    """A drop no configured step names is an "other" column for every source, 0 where a source has none."""
+    from moeflow.card import plots
+
+    stats = {"by_source": {
+        "a": {"kept": 5, "dropped:length.too_short": 2, "dropped:manual.blocklist": 1},
+        "b": {"kept": 4, "dropped:length.too_short": 1},
+    }}
+    rows = plots.waterfall(stats, ["length"], {"by_source": {"a": {"kept": 4, "dropped:quality.x": 1},
+                                                             "b": {"kept": 3, "dropped:quality.x": 0}}})
+    assert [[s for s, _, _ in r] for r in rows.values()] == [["read", "length", "other", "dedup", "quality"]] * 2
+    assert rows["a"][2] == ("other", 1, 5) and rows["b"][2] == ("other", 0, 4)
