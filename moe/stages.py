@@ -55,4 +55,4 @@ def _evaluate_config(c: RunConfig) -> EvalConfig:
 
 # the tokenizer encodes the benchmark requests; pyarrow reads the held-out rows and the benchmark index
 EVALUATE = Stage("evaluate", _evaluate_config, Lazy("moeflow.moe.evaluate:stage"),
-                 (*TRAIN_LIBS, "tokenizers", "pyarrow"))
+                 (*TRAIN_LIBS, "tokenizers", "pyarrow"), section="evaluate")

@@ -346,3 +346,16 @@ def test_editing_the_store_or_fetch_plumbing_rebuilds_nothing(tmp_path):
     # the test can see an edit: one in the filter's code changes the filter's key and no other data stage's
     edited = _closures_after_edit(tmp_path, ("filters/heuristics.py",))
     assert {n for n in before if edited[n] != before[n]} == {"filter"}
+
+
+def test_every_stage_whose_slice_is_one_config_section_names_it():
+    """`moeflow why` names a changed field by its full path (`tokenizer.vocab_size`, not `vocab_size`) for
+    every stage whose slice is one section of the run config."""
+    from moeflow.tasks.registry import STAGES
+
+    cfg = configs.load("tiny")
+    for name, stage in STAGES.items():
+        sliced = stage.config(cfg)
+        owner = [f for f in type(cfg).model_fields if type(getattr(cfg, f)) is type(sliced)
+                 and not isinstance(sliced, (dict, list, tuple))]
+        assert stage.section == (owner[0] if owner else stage.section), name

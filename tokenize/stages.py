@@ -29,7 +29,7 @@ def _own_mix_config(c: RunConfig) -> dict:
 
 
 TOKENIZER = Stage("tokenizer", lambda c: c.tokenizer, tokenizer.stage, ("tokenizers",), fetched=_tokenizer_files,
-                  reads="docs")
+                  reads="docs", section="tokenizer")
 TOKENIZE = Stage(
     "tokenize",
     lambda c: c.tokenizer,
@@ -38,6 +38,7 @@ TOKENIZE = Stage(
     reads="docs",
     phases=(Phase("encode", token_store.encode_part, record_shards),),
     merge=token_store.merge,
+    section="tokenizer",
 )
 MIX = Stage("mix", _mix_config, mix.stage, ("numpy", "pyarrow", "tokenizers", "xxhash"), reads="shards")
 # a ladder rung's own, shorter run through the same curriculum (its own stage name, so the card never takes a
