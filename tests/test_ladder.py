@@ -39,7 +39,7 @@ def test_rungs_keep_the_recipe_and_the_budget():
         assert m.d_model // m.n_heads == cfg.model.d_model // cfg.model.n_heads
         assert m.expert_hidden / m.d_model == cfg.model.expert_hidden / cfg.model.d_model
         assert (m.num_experts, m.top_k) == (cfg.model.num_experts, cfg.model.top_k)
-        assert (r["train"].batch_size, r["train"].seq_len, r["train"].schedule) == (16, 128, "cosine")
+        assert (r["train"].batch_size, r["train"].seq_len, r["train"].schedule) == (16, 128, "wsd")
     assert 0.45 * target <= sum(r["flops"] for r in rungs) <= 0.5 * target
     with pytest.raises(ValueError, match="head width"):
         ladder.plan(cfg.model_copy(update={"ladder": LadderConfig(widths=(40, 64, 96))}), vocab=8192)
