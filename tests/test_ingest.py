@@ -447,3 +447,19 @@ def test_documents_files_keep_no_dictionary_or_statistics_of_the_text(tmp_path):
     columns = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
     assert not columns["text"].is_stats_set and not columns["text"].has_dictionary_page
     assert columns["id"].is_stats_set and columns["id"].has_dictionary_page
+
+
+def test_parts_of_a_sharded_stage_record_no_previous_artifact(tmp_path):
+    """Only a stage's artifact names the previous one (the report diffs configs against it): a part would
+    name a sibling shard, and every part reading each earlier part's record was n²/2 reads for n parts."""
+    from helpers import stage_config
+    from moeflow.tasks.runner import materialize
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": f"{GOOD} {i}"}) + "\n" for i in range(9)))
+    cfg = stage_config(tmp_path / "store", 3, sources=(_source(tmp_path),))
+    first = materialize("ingest", cfg, {})
+    again = materialize("ingest", cfg, {}, force=True)
+    parts = sorted((tmp_path / "store" / "ingest.shard").glob("ingest.shard-*/lineage.json"))
+    assert len(parts) == 3 and all(json.loads(p.read_text())["previous"] is None for p in parts)
+    assert again.lineage()["previous"]["artifact"] == f"ingest-{first.hash}"
