@@ -148,7 +148,8 @@ def _config(store: Path, shards: int, jsonl: str | None = None, steps: int | Non
 
     only_gopher = {"steps": STEPS, "languages": None, "overrides": {}, "shards": None, "engine": engine}
     more = {"sources": [{"name": "corpus", "path": jsonl, "format": "jsonl", "id_field": "id", "domain": "web",
-                         "license": "cc0"}], "mix": {"weights": {"web": 1.0}, "phases": []}} if jsonl else {}
+                         "license": "cc0"}], "mix": {"weights": {"web": 1.0}, "phases": []},
+            "quality": {"overrides": {}}} if jsonl else {}
     if steps:
         more.update(train={"steps": steps, "batch_size": 8, "seq_len": 128},
                     mix={"weights": dict.fromkeys(domains, 1.0), "phases": [], "max_epochs": 1000})

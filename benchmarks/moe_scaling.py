@@ -8,9 +8,10 @@ F=512, top-2, SwiGLU; bf16: under autocast, as training runs it) for 8, 16, 32 a
 against a dense SwiGLU MLP of equal active width (2 x 512) done in bare PyTorch; and against a per-token
 Python loop over the same weights (a sanity floor). Each figure is the fastest of `repeats` timed passes
 after two warm-up passes (the least disturbed one); `*_page_faults_per_pass` counts the process's minor page
-faults per timed pass (glibc gives every freed block of 32 MiB or more back to the system, so a tensor that
-large is faulted in afresh, zeroed page by page, each time it is made again: at 64 experts each weight
-gradient is 32 MiB). The last line printed is one JSON object; `*_ratio`
+faults per timed pass (by default glibc gives every freed block of 32 MiB or more back to the system, so a
+tensor that large is faulted in afresh, zeroed page by page, each time it is made again: at 64 experts each
+weight gradient is 32 MiB; the CPU experts have glibc keep freed memory, `moe.experts.keep_freed_memory`).
+The last line printed is one JSON object; `*_ratio`
 figures compare with the bare-PyTorch dense MLP; `expert_matmul_dtype` is the dtype the experts' matmuls ran
 in during the timed passes (bf16 must show bfloat16: autocast has no grouped-matmul kernel, the experts cast
 themselves).

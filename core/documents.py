@@ -26,6 +26,12 @@ SCHEMA = pa.schema(
 )
 
 
+# the columns given dictionaries and min/max statistics; not `text`: its dictionary, built for each row
+# group and given up after the first page, cost a worker a fifth of its peak memory and ingest a fifth of
+# its time (benchmarks/README.md), and min/max over long strings cost time too; no reader uses either
+LABELS = ["id", "source", "domain", "path"]
+
+
 class DocWriter:
     """Writes documents in row groups, so a stage never holds the whole corpus twice."""
 
@@ -34,7 +40,8 @@ class DocWriter:
         self.rows_per_group = rows_per_group
         self.count = 0
         self._buf: dict[str, list] = {name: [] for name in SCHEMA.names}  # by column: no per-row conversion
-        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd", use_dictionary=LABELS,
+                                        write_statistics=LABELS)
         self._rows: pa.Table | None = None  # rows that came in Arrow (`write_table`), not yet a full group
 
     def write_table(self, table: pa.Table) -> None:

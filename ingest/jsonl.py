@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
+
 from moeflow.configs import SourceConfig
 from moeflow.ingest import lines
 from moeflow.ingest.lines import LineCut, Overlong
@@ -19,9 +21,14 @@ def rows(src: SourceConfig, path: Path, span: tuple[int, int] | None) -> Iterato
     if span:
         begin, before = _span_start(path, span[0])
         stream = lines.split(_span_chunks(path, begin, span[1]), _line_limit(src))
-        yield from parsed(stream, first=before + 1)
+        yield from parsed(stream, before + 1, _fields(src))
     else:
-        yield from parsed(lines.split(lines.chunks(path), _line_limit(src)))
+        yield from parsed(lines.split(lines.chunks(path), _line_limit(src)), 1, _fields(src))
+
+
+def _fields(src: SourceConfig) -> tuple[str, ...]:
+    """The fields ingest reads of a record (`records.row_record`)."""
+    return (src.text_field, src.id_field) if src.id_field else (src.text_field,)
 
 
 def _line_limit(src: SourceConfig) -> int:
@@ -30,15 +37,16 @@ def _line_limit(src: SourceConfig) -> int:
     return 6 * src.max_doc_bytes + (1 << 20)
 
 
-def parsed(stream: Iterator[bytes | Overlong], first: int = 1) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object or Quarantine) per non-blank line, the first numbered `first`; a line
-    cut by a read error is quarantined as truncated, then the `LineCut` goes on, carrying the number of
-    the last line read."""
+def parsed(stream: Iterator[bytes | Overlong], first: int = 1, fields: tuple[str, ...] = ()
+           ) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object or Quarantine) per non-blank line, the first numbered `first` (`fields`:
+    those read of each object, see `_fast`); a line cut by a read error is quarantined as truncated, then
+    the `LineCut` goes on, carrying the number of the last line read."""
     line_no = first - 1
     try:
         for line_no, line in enumerate(stream, start=first):
             if isinstance(line, Overlong) or line.strip():
-                yield line_no, _json_row(line_no, line)
+                yield line_no, _json_row(line_no, line, fields)
     except LineCut as cut:
         if not cut.partial.strip():  # the error fell between lines (or after blanks): nothing was cut
             cut.line = line_no
@@ -54,12 +62,45 @@ def parsed(stream: Iterator[bytes | Overlong], first: int = 1) -> Iterator[tuple
         raise
 
 
-def _json_row(line_no: int, line: bytes | Overlong) -> object:
+# a line holding more brackets than this is parsed by `json` alone: `json` gives up at its recursion limit
+# (1,000 levels less the caller's depth, a few dozen), orjson at 1,024, so a line nested between the two
+# would be read by one and quarantined by the other
+_FAST_BRACKETS = 400
+
+
+def _fast(line: bytes, fields: tuple[str, ...]) -> dict | None:
+    """orjson's parse of a line where what ingest reads of it (`fields`: the text and id fields' values) is
+    what `json.loads` makes: no float in them (orjson reads an integer past 64 bits as a float, `json` as
+    an int) and too few brackets to near either parser's nesting limit. None where `json` must decide:
+    orjson refused the line (`json` accepts more: NaN, lone surrogates, a byte-order mark; or it says what
+    is wrong) or read something other than such an object."""
+    if line.count(b"[") + line.count(b"{") > _FAST_BRACKETS:
+        return None
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if type(row) is not dict or any(_holds_float(row.get(f)) for f in fields):
+        return None
+    return row
+
+
+def _holds_float(value) -> bool:
+    kind = type(value)
+    if kind is list:
+        return any(map(_holds_float, value))
+    return kind is float or (kind is dict and any(map(_holds_float, value.values())))
+
+
+def _json_row(line_no: int, line: bytes | Overlong, fields: tuple[str, ...] = ()) -> object:
     """A line parsed, or the Quarantine that says why it cannot be (a UTF-8 byte-order mark opening the
-    file is dropped)."""
+    file is dropped). orjson parses the common line (`_fast`: `fields` are those read of it); `json` the rest.
+    """
     if isinstance(line, Overlong):
         return Quarantine("too_large", f"line {line_no}: {line.size:,} bytes, over the line limit (6 x "
                                        "max_doc_bytes + 1 MiB: its text could not fit); not parsed")
+    if (row := _fast(line, fields)) is not None:
+        return row
     try:
         text = line.decode("utf-8")
         return json.loads(text.removeprefix("\ufeff") if line_no == 1 else text)

@@ -32,7 +32,7 @@ def checked_text(src: SourceConfig, value) -> str:
     if not value.strip():
         raise Quarantine("empty_text", "text is empty or whitespace only")
     try:
-        size = len(value.encode("utf-8"))
+        size = utf8_size(value)
     except UnicodeEncodeError as e:  # a lone surrogate: valid JSON (`"\ud800"`), not text
         detail = f"character {e.start}: lone surrogate {value[e.start]!r}"
         raise Quarantine("invalid_unicode", detail) from None
@@ -41,6 +41,11 @@ def checked_text(src: SourceConfig, value) -> str:
             "too_large", f"{size:,} bytes, over the source's max_doc_bytes ({src.max_doc_bytes:,})"
         )
     return value
+
+
+def utf8_size(text: str) -> int:
+    """The bytes of `text` in UTF-8 (encoded only when it is not ASCII)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def unread(base: str, path: Path, read: int, e: Exception) -> Iterator[Record]:

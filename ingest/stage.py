@@ -19,6 +19,7 @@ from moeflow.core.progress import tqdm
 from moeflow.ingest.names import portable, relative_name
 from moeflow.ingest.plan import Unit, assign, units
 from moeflow.ingest.reader import records
+from moeflow.ingest.records import utf8_size
 from moeflow.ingest.resolve import ResolvedSource, resolve_sources_list
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
                               "path": names.get(path) or names.setdefault(path, portable(path)), "text": text})
                 ledger.kept(doc_id)
                 stats["kept"] += 1
-                stats["bytes"] += len(text.encode("utf-8"))
+                stats["bytes"] += utf8_size(text)
             stats["changed"] += _changed(rs, unit, before)
             faults.reached(bar.n, bar.total)  # `make chaos`: a kill point by bytes read
         n_out = writer.count
@@ -146,5 +147,5 @@ def _rejoin(parts: list[Path], out: Path, repeated: set[int], per_source: dict[s
 def _unkeep(stats: dict, doc: dict) -> None:
     stats["kept"] -= 1
     stats["quarantined"] += 1
-    stats["bytes"] -= len(doc["text"].encode("utf-8"))
+    stats["bytes"] -= utf8_size(doc["text"])
 

@@ -12,7 +12,7 @@ INGEST = Stage(
     "ingest",
     lambda c: c.sources,
     None,
-    ("pyarrow", "zstandard", "datasets"),  # datasets: hf_dataset and hf_files sources
+    ("pyarrow", "zstandard", "orjson", "datasets"),  # datasets: hf_dataset and hf_files sources
     fetched=lambda s: sources_stage.identities([x.package for x in s if x.package], s),
     phases=(Phase("shard", ingest.shard, record_shards),),
     merge=ingest.merge,

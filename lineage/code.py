@@ -113,10 +113,14 @@ def closure(module: str) -> dict[str, str]:
 
 def libraries(names: tuple[str, ...]) -> dict[str, str]:
     """Installed versions of the distributions `names` ("absent" when one is not installed)."""
-    out = {}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    return {name: _version(name) for name in names}
+
+
+@functools.cache
+def _version(name: str) -> str:
+    """A distribution's version, read once per process (reading its metadata costs milliseconds, and every
+    part of a sharded stage keys on it): what this process imported stays what it runs."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"

@@ -8,7 +8,8 @@ writes each weight gradient once, in place. Elsewhere `grouped_linear` has two p
 `torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
 a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
 gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
-those of the grouped_mm path (tests/test_moe.py compares them).
+those of the grouped_mm path (tests/test_moe.py compares them). The first CPU pass has glibc keep freed
+memory (`keep_freed_memory`): large weight gradients are reused, not faulted in afresh each pass.
 
 Autocast has no kernel for `aten::_grouped_mm` (nor for a loop's matmuls over views it did not cast), so
 under `train.precision: bf16` the experts would compute in float32 (on CUDA: PyTorch's per-group
@@ -19,6 +20,9 @@ the experts' matmuls ran in (benchmarks/moe_scaling.py and `make gpu-check` repo
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -72,6 +76,23 @@ def _mlp_backward(x, dy, h1, w1, w2, dx, dw1, dw2) -> None:
     dh1 = torch.ops.aten.gelu_backward(dy @ w2.T, h1)
     torch.mm(dh1.T, x, out=dw1)
     torch.mm(dh1, w1, out=dx)
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory this process frees for its next allocations (once per process; False
+    where the C library is not glibc). By default glibc maps each block of 32 MiB or more on its own and
+    unmaps it when freed, so every CPU backward pass of a 64-expert layer faulted its three 32 MiB weight
+    gradients in afresh, zeroed page by page (24,579 faults a pass at 4,096 tokens, benchmarks/README.md).
+    No block is mapped on its own (M_MMAP_MAX 0) and up to 1 GiB of free heap top is kept (M_TRIM_THRESHOLD):
+    the process holds its peak memory for reuse instead of returning it. Child processes are unaffected."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 class _ExpertLoop(torch.autograd.Function):
@@ -129,6 +150,7 @@ class GroupedMLP(nn.Module):
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_TD.dtype
         x = x_TD.to(dtype)
         if x_TD.is_cpu:  # the per-expert loop (a query of the device, not a pin: tests/test_device.py)
+            keep_freed_memory()
             v1 = None if self.v1 is None else self.v1.to(dtype).view(E, F_, D)
             with torch.autocast(kind, enabled=False):  # the operands are cast already: nothing for it to recast
                 y = _ExpertLoop.apply(x, self.w1.to(dtype).view(E, F_, D), v1, self.w2.to(dtype).view(E, F_, D),

@@ -214,12 +214,14 @@ def _lineage(stage: Stage, name: str, cfg: RunConfig, inputs: Inputs, store: Sto
             "libraries": parts["libraries"],
         },
         "prefect": record.prefect_context(),
-        "previous": _previous(store, name),
+        "previous": _previous(store, name) if "part" not in parts else None,
     }
 
 
 def _previous(store: Store, name: str) -> dict | None:
-    """The newest earlier artifact of this stage in the store: the lineage report diffs configs against it."""
+    """The newest earlier artifact of this stage in the store: the lineage report diffs configs against it.
+    Not looked up for a part of a sharded stage: its newest other part is a sibling shard, never diffed, and
+    each part reading every earlier part's record made a stage of n parts read n²/2 of them."""
     prev = store.newest(name)
     return {"artifact": f"{name}-{prev['artifact']['hash']}", "config": prev["config"]} if prev else None
 

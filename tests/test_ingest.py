@@ -408,3 +408,58 @@ def test_a_join_copying_arrow_row_groups_writes_the_bytes_row_writes_do(tmp_path
             w.write_table(pa.Table.from_pylist(docs[lo:hi], schema=SCHEMA))
     assert w.count == 300
     assert (tmp_path / "rows" / "docs.parquet").read_bytes() == (tmp_path / "tables" / "docs.parquet").read_bytes()
+
+
+def test_lines_orjson_would_read_otherwise_are_read_as_json_reads_them(tmp_path):
+    """orjson parses the common line, `json` the lines where the two part (`ingest.jsonl._fast`): an integer
+    past 64 bits in the id or text field (orjson: a float), and nesting between `json`'s recursion limit
+    and orjson's 1,024 levels (orjson reads it; `json`, and so ingest, quarantines it)."""
+    (tmp_path / "in").mkdir()
+    big = 18446744073709551616
+    deep = '{"id": "deep", "text": "x", "a": ' + "[" * 1010 + "]" * 1010 + "}"
+    lines = [json.dumps({"id": big, "text": GOOD}), json.dumps({"id": [big, {"n": -big}], "text": GOOD}),
+             json.dumps({"id": "t", "text": big}), deep, json.dumps({"id": 7, "text": GOOD, "score": 0.5})]
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ingest([_source(tmp_path, id_field="id")], out)
+    rows = [(r["doc_id"], r["fate"], r["reason"], r["detail"]) for r in read_ledger(out).to_pylist()]
+    assert rows == [
+        (f"user/{big}", "kept", "", ""),
+        (f"user/[{big}, {{'n': -{big}}}]", "kept", "", ""),
+        ("user/t", "quarantined", "bad_text_field", "field 'text' is a int, not a string"),
+        ("user/a.jsonl#L4", "quarantined", "invalid_json", "line 4: nested deeper than the JSON parser's limit"),
+        ("user/7", "kept", "", ""),
+    ]
+
+
+def test_documents_files_keep_no_dictionary_or_statistics_of_the_text(tmp_path):
+    """A documents file's text column has neither (min/max over long strings took most of a writer's time,
+    and a dictionary of texts is given up after its first page); the short label columns keep both."""
+    import pyarrow.parquet as pq
+
+    from moeflow.core.documents import DOCS, DocWriter
+
+    with DocWriter(tmp_path) as w:
+        for i in range(3):
+            w.write({"id": f"d{i}", "source": "s", "domain": "web", "path": "p", "text": GOOD * (i + 1)})
+    meta = pq.ParquetFile(tmp_path / DOCS).metadata.row_group(0)
+    columns = {meta.column(i).path_in_schema: meta.column(i) for i in range(meta.num_columns)}
+    assert not columns["text"].is_stats_set and not columns["text"].has_dictionary_page
+    assert columns["id"].is_stats_set and columns["id"].has_dictionary_page
+
+
+def test_parts_of_a_sharded_stage_record_no_previous_artifact(tmp_path):
+    """Only a stage's artifact names the previous one (the report diffs configs against it): a part would
+    name a sibling shard, and every part reading each earlier part's record was n²/2 reads for n parts."""
+    from helpers import stage_config
+    from moeflow.tasks.runner import materialize
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": f"{GOOD} {i}"}) + "\n" for i in range(9)))
+    cfg = stage_config(tmp_path / "store", 3, sources=(_source(tmp_path),))
+    first = materialize("ingest", cfg, {})
+    again = materialize("ingest", cfg, {}, force=True)
+    parts = sorted((tmp_path / "store" / "ingest.shard").glob("ingest.shard-*/lineage.json"))
+    assert len(parts) == 3 and all(json.loads(p.read_text())["previous"] is None for p in parts)
+    assert again.lineage()["previous"]["artifact"] == f"ingest-{first.hash}"

@@ -60,7 +60,8 @@ def test_encoded_parts_packed_equal_the_unsharded_store(built, docs, tmp_path):
 
     tok_dir, store_dir, stats = built
     cfg = TokenizerConfig(shard_tokens=3000)
-    inputs = {"docs": type("M", (), {"dir": docs}), "tokenizer": type("M", (), {"dir": tok_dir})}
+    inputs = {"docs": type("M", (), {"dir": docs}),
+              "tokenizer": type("M", (), {"dir": tok_dir, "content_hash": str(tok_dir)})}
     joined, packed = join_parts(tmp_path, 4, lambda out, part: store.encode_part(cfg, inputs, {}, out, part),
                                 store.merge, cfg, phase="encode")
     assert packed.pop("parts") == 4 and packed == stats
@@ -236,3 +237,25 @@ def test_a_tokenizer_file_config_names_the_field(tmp_path):
         configs.load("smoke", tokenizer={"kind": "file"})
     with pytest.raises(configs.ConfigError, match="is not a file; point it at a tokenizer.json"):
         configs.load("smoke", tokenizer={"kind": "file", "path": str(tmp_path / "missing.json")})
+
+
+def test_encoded_ids_are_encode_batchs(built, docs):
+    """`encode_docs` encodes with `encode_batch_fast` (no character offsets): the ids `encode_batch` gives."""
+    from moeflow.core.documents import iter_docs
+
+    tok = tokenizer.load(built[0])
+    texts = [d["text"] for d in iter_docs(docs)]
+    want = [[i for p in store.pieces(t) for i in tok.encode(p, add_special_tokens=False).ids] for t in texts]
+    assert [t.tolist() for t in store.encode_docs(tok, texts, np.uint16)] == want
+
+
+def test_a_worker_loads_a_tokenizer_artifact_once(built):
+    """The parts a worker runs one after another encode with one loaded tokenizer: loaded again each part
+    (a third of a second for GPT-2's), its heap was left behind, and a worker's memory grew part by part."""
+    from moeflow.store.local import Manifest
+
+    tok_dir = str(built[0])
+    first, same, other = (Manifest(stage="tokenizer", hash=h, content_hash=c, path=tok_dir)
+                          for h, c in (("a", "c1"), ("b", "c1"), ("a", "c2")))
+    assert store._tokenizer(first) is store._tokenizer(same)
+    assert store._tokenizer(other) is not store._tokenizer(first)

@@ -49,17 +49,19 @@ def pieces(text: str, limit: int = PIECE_CHARS) -> list[str]:
     return out
 
 
-def encode_docs(tokenizer, texts: list[str]) -> list[np.ndarray]:
+def encode_docs(tokenizer, texts: list[str], dtype=np.int64) -> list[np.ndarray]:
+    """Each text's tokens (`encode_batch_fast`: the ids `encode_batch` gives, without the character offsets
+    no one here reads), its pieces' joined."""
     flat, owner = [], []
     for i, text in enumerate(texts):
         for p in pieces(text):
             flat.append(p)
             owner.append(i)
-    encs = tokenizer.encode_batch(flat, add_special_tokens=False)
+    encs = tokenizer.encode_batch_fast(flat, add_special_tokens=False)
     out: list[list[int]] = [[] for _ in texts]
     for i, enc in zip(owner, encs):
         out[i].extend(enc.ids)
-    return [np.asarray(ids, dtype=np.int64) for ids in out]
+    return [np.asarray(ids, dtype=dtype) for ids in out]
 
 
 def stage(cfg: TokenizerConfig, inputs: dict, out: Path) -> dict:
@@ -90,15 +92,15 @@ def encoded(tok, docs_dir: Path, part: tuple[int, int]):
         batch.append(row)
         chars += len(row["text"])
         if chars >= BATCH_CHARS:
-            yield from zip(batch, (t.astype(ttype) for t in encode_docs(tok, [r["text"] for r in batch])))
+            yield from zip(batch, encode_docs(tok, [r["text"] for r in batch], ttype))
             batch, chars = [], 0
-    yield from zip(batch, (t.astype(ttype) for t in encode_docs(tok, [r["text"] for r in batch])))
+    yield from zip(batch, encode_docs(tok, [r["text"] for r in batch], ttype))
 
 
 def encode_part(cfg: TokenizerConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
     """Phase `encode` of the sharded stage: record shard `part`'s documents and tokens, in order, in
     `tokens.arrow` (the join packs them into the store's shards)."""
-    tok = load_tokenizer(inputs["tokenizer"].dir)
+    tok = _tokenizer(inputs["tokenizer"])
     ttype = token_type(tok.get_vocab_size())
     schema = PART_SCHEMA.append(pa.field("tokens", pa.large_list(ttype)))
     n = tokens = 0
@@ -112,6 +114,18 @@ def encode_part(cfg: TokenizerConfig, inputs: dict, prior: dict, out: Path, part
                 rows = []
         writer.write_table(_part_table(rows, schema))
     return {"documents": n, "tokens": tokens}
+
+
+_LOADED: dict[str, object] = {}  # the last tokenizer a process loaded, by its artifact's content hash
+
+
+def _tokenizer(artifact) -> object:
+    """The tokenizer artifact's tokenizer, loaded once per process (a third of a second for GPT-2's): a worker
+    running one part after another encodes with the same one."""
+    if artifact.content_hash not in _LOADED:
+        _LOADED.clear()
+        _LOADED[artifact.content_hash] = load_tokenizer(artifact.dir)
+    return _LOADED[artifact.content_hash]
 
 
 def _part_table(rows: list[tuple[dict, np.ndarray]], schema: pa.Schema) -> pa.Table:
