@@ -16,4 +16,5 @@ INGEST = Stage(
     fetched=lambda s: sources_stage.identities([x.package for x in s if x.package], s),
     phases=(Phase("shard", ingest.shard, record_shards),),
     merge=ingest.merge,
+    section="sources",
 )
