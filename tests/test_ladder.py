@@ -72,7 +72,7 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
     path = write_config(
         tmp_path / "ladder.yaml",
         store=str(tmp_path / "store"),
-        ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 10},
+        ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 8},
     )
     out = pretrain(config=str(path))
     assert [k for k in out["stages"] if k.startswith("rung")] == [
