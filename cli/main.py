@@ -30,6 +30,7 @@ STAGE_HELP = (
 
 
 def _run(args) -> int:
+    from prefect.context import refresh_global_settings_context
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from moeflow.flows.pretrain import pretrain
@@ -47,6 +48,10 @@ def _run(args) -> int:
             print(f"moeflow run: {e}", file=sys.stderr)
             return 1
         os.environ["PREFECT_API_URL"] = server.api_url
+        # and to the threads that read Prefect's process-wide settings, not the run's settings context: left
+        # with the ones from import time, the process pool's message forwarder started a temporary server
+        # of its own (which could outlive the run, holding its caller's output open)
+        refresh_global_settings_context()
     runs: list[str] = []
 
     def flow_run_id(_flow, run, _state) -> None:  # kept for a Ctrl-C: the run to mark Cancelled
@@ -67,6 +72,8 @@ def _run(args) -> int:
 
             APILogWorker.drain_all(timeout=10)  # the run's last logs, sent before their server goes
             server.stop()
+            os.environ.pop("PREFECT_API_URL", None)
+            refresh_global_settings_context()
     if interrupted is not None:
         # The interrupted task runner's process pool was never shut down: interpreter exit would join its
         # manager thread, which waits on pool processes the interrupt may have left mid-call (seen: a hang

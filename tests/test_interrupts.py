@@ -239,3 +239,17 @@ def test_a_killed_run_leaves_no_temporary_server(tmp_path):
     while _alive(server):
         assert time.monotonic() < deadline, "the temporary server still runs 30 s after its moeflow run was killed"
         time.sleep(0.2)
+
+
+def test_a_run_with_its_own_server_starts_no_other(smoke_data, tmp_path):
+    """`moeflow run` without a configured server starts one and points every thread of the run at it: the
+    process pool's message forwarder, which reads Prefect's process-wide settings, started a temporary server
+    of its own (Prefect says "Starting temporary server"), which could outlive the run holding its output."""
+    config = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
+                          execution={"shards": 2, "workers": 2})
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-m", "moeflow.cli", "run", str(config), "--until", "dedup"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Starting temporary server" not in done.stdout + done.stderr
