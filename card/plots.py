@@ -157,17 +157,15 @@ def waterfall(stats: dict, steps: list[str], quality: dict | None = None) -> dic
             removed = sum(n for k, n in counts.items() if k.startswith(f"dropped:{step}."))
             left -= removed
             rows.append((step, removed, left))
-        if left != counts.get("kept", 0):
-            rows.append(("other", left - counts.get("kept", 0), counts.get("kept", 0)))
+        rows.append(("other", left - counts.get("kept", 0), counts.get("kept", 0)))
         if later is not None:
             scored = later.get(src, {})
             rows.append(("dedup", counts.get("kept", 0) - _read(scored), _read(scored)))
             rows.append(("quality", _read(scored) - scored.get("kept", 0), scored.get("kept", 0)))
         out[src] = rows
-    if any(r[len(steps) + 1][0] == "other" for r in out.values() if len(r) > len(steps) + 1):
-        for rows in out.values():  # every source gets the same columns (the table's, the plot's bars)
-            if len(rows) == len(steps) + 1 or rows[len(steps) + 1][0] != "other":
-                rows.insert(len(steps) + 1, ("other", 0, rows[len(steps)][2]))
+    if not any(rows[len(steps) + 1][1] for rows in out.values()):  # every source has the same columns
+        for rows in out.values():
+            del rows[len(steps) + 1]
     return out
 
 
