@@ -29,6 +29,8 @@ class ModelConfig(Frozen):
     )  # default: top_k * expert_hidden (equal active width)
     router_jitter: float = Field(default=0.0, ge=0, lt=1)  # multiplicative input noise while training
     normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
+    # true: the LM head is the embedding matrix (GPT-2, nanoGPT); false: its own matrix (Llama, OLMo)
+    tie_embeddings: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

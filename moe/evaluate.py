@@ -148,7 +148,7 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], window: int,
         for r, (row, i) in enumerate(zip(rows, chunk, strict=True)):
             cont = pairs[i][1]
             n = min(len(cont), len(row))  # a continuation longer than the window: its right end
-            logits = hidden[r, len(row) - n:len(row)] @ model.embed.weight.T  # the tied head, here only
+            logits = model.logits(hidden[r, len(row) - n:len(row)])  # the head, here only
             lp = F.log_softmax(logits.double(), dim=-1)
             target = torch.tensor(cont[len(cont) - n:], device=lp.device)
             out[i] = (float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))

@@ -28,6 +28,7 @@ PARAM_GROUPS = (
     ("dense_mlp", ".mlp."),
     ("attention", ".attn."),
     ("embedding", "embed."),
+    ("lm_head", "head."),
     ("norms", "norm"),
 )
 

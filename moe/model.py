@@ -3,7 +3,7 @@
 Legend: B batch, S sequence, D model width, H heads, Dh head width, V vocabulary.
 
 Initialisation is GPT-2's (as nanoGPT and Megatron-LM's scaled init apply it), the same for dense and MoE
-layers: every matrix (the tied embedding, attention's qkv, the router, experts' and MLPs' input
+layers: every matrix (the embedding, an untied LM head, attention's qkv, the router, experts' and MLPs' input
 projections) is drawn from normal(0, 0.02); the projections that write into the residual stream
 (attention's `out`, experts' `w2`, dense and shared MLPs' `down_proj`) from normal(0, 0.02 / sqrt(2 *
 n_layers)), so the 2 * n_layers updates a token's residual stream receives add up to a variance that does
@@ -97,6 +97,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
+        # skip_init: no draws of its own, so every other parameter gets the draws it gets when tied
+        self.head = None if cfg.tie_embeddings else nn.utils.skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
         init_weights(self, cfg.n_layers)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -111,8 +113,11 @@ class Transformer(nn.Module):
             x, aux = block(x, *attention)
             if aux is not None:
                 auxes.append(aux)
-        logits_BSV = self.norm(x) @ self.embed.weight.T  # tied LM head
-        return logits_BSV, auxes
+        return self.logits(self.norm(x)), auxes
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: the embedding matrix when tied, else its own."""
+        return hidden @ self.embed.weight.T if self.head is None else self.head(hidden)
 
     def attention_inputs(self, tokens_BS: torch.Tensor) -> tuple:
         """(cos, sin, mask) for every block: the row's positions and causal attention, or, with
@@ -140,10 +145,11 @@ class Transformer(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x active non-embedding parameters + attention (PaLM appendix B),
-        plus the tied LM head's matmul (6 x embedding)."""
+        plus a tied LM head's matmul (6 x embedding); an untied head is a non-embedding matrix."""
         p = self.num_params()
         attention = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
-        return 6 * (p["active_non_embedding"] + p["embedding"]) + attention
+        head = p["embedding"] if self.head is None else 0
+        return 6 * (p["active_non_embedding"] + head) + attention
 
 
 def lm_loss(

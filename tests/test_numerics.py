@@ -188,3 +188,38 @@ def test_a_run_trained_with_document_mask_is_evaluated_with_it(mix_dir, tmp_path
     assert load_model(tmp_path / "masked").document_eos == eos
     assert load_model(tmp_path / "plain").document_eos is None
     assert "document_eos" not in json.loads((tmp_path / "plain" / "model_config.json").read_text())
+
+
+def test_an_untied_head_is_its_own_matrix_in_training_scoring_and_flops():
+    """`tie_embeddings: false` gives the LM head its own matrix: logits and evaluation's scoring use it, it is
+    decayed as a matrix, and the FLOPs estimate counts the head's matmul once (as the tied head's)."""
+    from moeflow.moe.evaluate import loglikelihoods
+    from moeflow.moe.optim import decays
+
+    torch.manual_seed(0)
+    tied = Transformer(MOE, vocab_size=50, max_seq_len=16)
+    torch.manual_seed(0)
+    untied = Transformer(MOE.model_copy(update={"tie_embeddings": False}), vocab_size=50, max_seq_len=16)
+    assert untied.head.weight.shape == (50, MOE.d_model)
+    assert untied.head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    # the same draws for every parameter the two share: the head is drawn last
+    torch.testing.assert_close(untied.embed.weight, tied.embed.weight)
+    tokens = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        logits, _ = untied(tokens)
+        torch.testing.assert_close(logits, untied.norm(_hidden_of(untied, tokens)) @ untied.head.weight.T)
+        assert not torch.allclose(logits, tied(tokens)[0])
+        lp = torch.log_softmax(logits[0].double(), -1)
+    ctx, cont = tokens[0, :5].tolist(), tokens[0, 5:].tolist()
+    (ll, _), = loglikelihoods(untied, [(ctx, cont)], window=16, dev=torch.device("cpu"))
+    assert ll == pytest.approx(sum(lp[4 + i, t].item() for i, t in enumerate(cont)), rel=1e-5)
+    assert decays("head.weight", untied.head.weight, TrainConfig())
+    assert untied.flops_per_token(16) == tied.flops_per_token(16)
+    assert untied.num_params()["active"] == tied.num_params()["active"] + 50 * MOE.d_model
+
+
+def _hidden_of(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    x = model.embed(tokens)
+    for block in model.blocks:
+        x, _ = block(x, *model.attention_inputs(tokens))
+    return x
