@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from moeflow.configs import EvalConfig, ModelConfig
 from moeflow.moe import device, scores
 from moeflow.moe.data import sequences
-from moeflow.moe.model import Transformer, lm_loss
+from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix, tokenizer
 
 BATCH = 64  # benchmark requests a forward pass
@@ -65,29 +65,47 @@ def load_model(train_dir: Path) -> Transformer:
 def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
     dev = device.resolve(cfg.device or "auto")
     model = load_model(train_dir).to(dev)
-    path = Path(mix_dir) / "heldout.arrow"
-    data = sequences(path)
-    table = mix.read(path)
-    domains = np.asarray(table.column("domain").to_pylist())
-    segments = table.column("segments").to_pylist()
+    held = HeldOut(mix_dir, cfg.max_sequences_per_domain)
     results = {}
-    for domain in sorted(set(domains.tolist())):
-        mine = np.flatnonzero(domains == domain)
-        picked = mine[spread([segments[i] for i in mine], cfg.max_sequences_per_domain)]
-        rows = data[picked]
-        losses = [lm_loss(model, device.batch(rows[i : i + 8], dev))[0].item() * len(rows[i : i + 8])
-                  for i in range(0, len(rows), 8)]
-        loss = sum(losses) / len(rows)
+    for domain, picked in held.picked.items():
+        rows = held.data[picked]
+        loss = float(row_losses(model, rows, dev).mean())
         results[domain] = {
             "loss": round(loss, 4),
             "perplexity": round(math.exp(loss), 2),
             "sequences": int(len(rows)),
             "tokens": int(len(rows) * (rows.shape[1] - 1)),
-            "documents": len({seg["doc_id"] for i in picked for seg in segments[i]}),
-            "heldout_documents": len({seg["doc_id"] for i in mine for seg in segments[i]}),
+            "documents": len({seg["doc_id"] for i in picked for seg in held.segments[i]}),
+            "heldout_documents": len({seg["doc_id"] for i in held.mine[domain] for seg in held.segments[i]}),
         }
     (out / "eval.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"heldout": results}
+
+
+class HeldOut:
+    """A mix's held-out rows as evaluation reads them: per domain (`mine`), at most `cap` of its rows spread
+    across its documents (`picked`)."""
+
+    def __init__(self, mix_dir: Path, cap: int):
+        path = Path(mix_dir) / "heldout.arrow"
+        self.data = sequences(path)
+        table = mix.read(path)
+        domains = np.asarray(table.column("domain").to_pylist())
+        self.segments = table.column("segments").to_pylist()
+        self.mine = {d: np.flatnonzero(domains == d) for d in sorted(set(domains.tolist()))}
+        self.picked = {d: m[spread([self.segments[i] for i in m], cap)] for d, m in self.mine.items()}
+
+
+@torch.no_grad()
+def row_losses(model: Transformer, rows: np.ndarray, dev: torch.device) -> np.ndarray:
+    """Each row's mean next-token cross-entropy (as `lm_loss` computes it), eight rows a batch."""
+    out: list[float] = []
+    for i in range(0, len(rows), 8):
+        batch_BS = device.batch(rows[i : i + 8], dev)
+        logits_BSV, _ = model(batch_BS[:, :-1])
+        ce_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), batch_BS[:, 1:], reduction="none")
+        out.extend(ce_BS.mean(1).tolist())
+    return np.asarray(out, dtype=np.float64)
 
 
 def spread(segments: list[list[dict]], cap: int) -> np.ndarray:
