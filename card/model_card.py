@@ -35,7 +35,7 @@ def render_card(graph: dict[str, dict]) -> str:
         training_table=_training_table(g),
         health_table=training.health_table(ts),
         mix_search=training.mix_search(g["mix_search"], g["evaluate"]) if "mix_search" in g else None,
-        ladder=training.ladder(g["ladder"], ts) if "ladder" in g else None,
+        ladder=training.ladder(g["ladder"], ts, g.get("evaluate")) if "ladder" in g else None,
         ranks=training.ranks(ts["distributed"], train["config"]["model"]) if ts.get("distributed") else None,
         scores=evaluation.scores(g["evaluate"], train, g["decontaminate"]),
         heldout=evaluation.heldout(g),

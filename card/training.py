@@ -47,33 +47,51 @@ def health_table(ts: dict) -> str:
     )
 
 
-def ladder(lad: dict, ts: dict) -> dict:
-    """The ladder's pre-registered fit and prediction against the loss the run reached."""
+def ladder(lad: dict, ts: dict, ev: dict | None) -> dict:
+    """The ladder's pre-registered fit and prediction against the loss the run reached: for the additive fit the
+    held-out loss averaged over domains (evaluate's), then the final training loss the live band watched."""
     p = lad["stats"]
-    actual = ts["tail_loss"]
-    err = (actual - p["predicted_final_loss"]) / actual
-    inside = p["band"][0] <= actual <= p["band"][1]
-    fit = p["fit"]
-    rungs = [
-        [i, r["d_model"], r["n_layers"], f"{r['params_active']:,}", r["steps"], f"{r['flops']:.3g}", r["final_loss"]]
-        for i, r in enumerate(p["rungs"])
-    ]
-    prediction = [
-        ["predicted", f"{p['predicted_final_loss']} (band {p['band'][0]} to {p['band'][1]})"],
-        ["actual", f"{actual} ({'inside' if inside else 'outside'} the band)"],
-        ["training steps whose smoothed loss left the ladder's band", ts.get("steps_outside_ladder_band", "-")],
-        ["relative error (actual - predicted) / actual", f"{err:+.2%}"],
-    ]
+    additive = p["fit"].get("kind") == "additive"
+    prediction = []
+    if additive:
+        actual = sum(r["loss"] for r in ev["stats"]["heldout"].values()) / len(ev["stats"]["heldout"]) if ev else None
+        prediction += _predicted_actual("held-out loss (mean over domains)", p["predicted_heldout_loss"],
+                                        p["heldout_band"], actual)
+    prediction += _predicted_actual("final training loss (mean of the last tenth of steps)",
+                                    p["predicted_final_loss"], p["band"], ts["tail_loss"])
+    prediction.append(["training steps whose smoothed loss left the ladder's band",
+                       ts.get("steps_outside_ladder_band", "-")])
+    rungs = [[i, r["d_model"], r["n_layers"], f"{r['params_active']:,}", r["steps"], f"{r['flops']:.3g}",
+              r["final_loss"], r.get("heldout_loss", "-")] for i, r in enumerate(p["rungs"])]
     return {
         "rungs": len(p["rungs"]),
         "fraction": f"{p['ladder_fraction']:.1%}",
-        **{k: f"{fit[k]:.4g}" for k in ("E", "A", "alpha", "residual_rms")},
-        "bootstrap_fits": fit["bootstrap_fits"],
+        "fit_text": _fit_text(p),
         "artifact": f"ladder-{lad['artifact']['hash']}",
-        "rungs_table": table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss"],
-                             rungs),
-        "prediction_table": table(["", "final loss (mean of the last tenth of steps)"], prediction),
+        "rungs_table": table(["rung", "d_model", "layers", "active parameters", "steps", "FLOPs", "final loss",
+                              "held-out loss"], rungs),
+        "prediction_table": table(["", "predicted (band)", "actual", "relative error (actual - predicted) / actual"],
+                                  prediction),
     }
+
+
+def _predicted_actual(what: str, predicted: float, band: list[float], actual: float | None) -> list[list]:
+    if actual is None:
+        return [[what, f"{predicted} ({band[0]} to {band[1]})", "not measured", "-"]]
+    inside = "inside" if band[0] <= actual <= band[1] else "outside"
+    return [[what, f"{predicted} ({band[0]} to {band[1]})", f"{actual:.4f} ({inside} the band)",
+             f"{(actual - predicted) / actual:+.2%}"]]
+
+
+def _fit_text(p: dict) -> str:
+    fit = p["fit"]
+    if fit.get("kind") == "additive":
+        return ("Fit: held-out loss L(N, D) = g(N) + h(D), no power law assumed: the narrow rung's loss at the "
+                "target's steps, plus the target's shape's loss minus the narrow rung's at a few steps; band from "
+                f"{fit['bootstrap_fits']} resamples of the held-out rows (it leaves out how far a seed moves a run).")
+    return (f"Fit L(C) = E + A (C / C_target)^-alpha: E = {fit['E']:.4g}, A = {fit['A']:.4g}, alpha = "
+            f"{fit['alpha']:.4g} (residual RMS {fit['residual_rms']:.4g}; band from {fit['bootstrap_fits']} "
+            "bootstrap refits).")
 
 
 def mix_search(ms: dict, ev: dict) -> dict:

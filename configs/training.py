@@ -159,10 +159,14 @@ class TrainStageConfig(Frozen):
 
 
 class LadderConfig(Frozen):
-    """Small runs of the target's recipe (same data, tokenizer, schedule shape, MoE ratios) whose final
-    losses are fitted against compute to predict the target run before it starts."""
+    """Small runs of the target's recipe (same data, tokenizer, schedule shape, MoE ratios) that predict the
+    target run's loss before it starts (`fit`: how, moe/ladder.py)."""
 
-    widths: tuple[int, ...] = Field(default=(32, 64, 96), min_length=3)  # d_model of each rung (x head width)
+    # compute: rungs of every width, final training losses fitted against FLOPs (at least 3 widths);
+    # additive: held-out losses of the first width at the target's steps and at a few, and of the target's
+    # own shape at those few: L(N, D) = g(N) + h(D) gives the target's (moe/ladder.py)
+    fit: Literal["compute", "additive"] = "compute"
+    widths: tuple[int, ...] = Field(default=(32, 64, 96), min_length=1)  # d_model of each rung (x head width)
     layers: tuple[int, ...] | None = None  # n_layers of each rung; default: the target's
     budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
     min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
@@ -175,6 +179,8 @@ class LadderConfig(Frozen):
     def _check(self) -> LadderConfig:
         if self.layers is not None and len(self.layers) != len(self.widths):
             raise ValueError("ladder.layers must give one layer count per width")
+        if self.fit == "compute" and len(self.widths) < 3:
+            raise ValueError("ladder.widths: the compute fit needs at least 3 widths (or fit: additive)")
         return self
 
 

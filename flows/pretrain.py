@@ -112,7 +112,8 @@ def ladder(run, cfg, mixed, shards, tok):
             else mixed
         )
         rungs[f"rung{i}"] = run(RUNG, cfg=rung_cfg, label=f"rung{i}", mix=rung_mix, tokenizer=tok)
-    return run(LADDER, tokenizer=tok, **rungs)
+    held = {"mix": mixed} if cfg.ladder.fit == "additive" else {}  # its held-out rows score the rungs
+    return run(LADDER, tokenizer=tok, **rungs, **held)
 
 
 def _flow_run_id() -> str:

@@ -1,4 +1,9 @@
-"""Scaling ladder: small runs of the target's recipe, a loss-vs-compute fit, a pre-registered prediction.
+"""Scaling ladder: small runs of the target's recipe, a fit, a pre-registered prediction.
+
+Two fits (`ladder.fit`). `compute` (below): every width's final training loss against FLOPs. `additive`: the
+held-out loss as L(N, D) = g(N) + h(D) (Chinchilla's form is one such), measured in three rungs: the first
+width at the target's steps, and the first width and the target's own shape at a few steps, as many as the
+budget leaves (`additive`).
 
 Rungs keep the target's recipe: the same mix (a prefix of its sequences), tokenizer, batch, sequence
 length and schedule shape, and the same MoE shape ratios (expert width / d_model, head width, experts,
@@ -22,6 +27,7 @@ import numpy as np
 from scipy.optimize import curve_fit
 
 from moeflow.configs import ConfigError, LadderConfig, ModelConfig, RunConfig, TrainConfig
+from moeflow.moe import device, evaluate
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import tokenizer
 
@@ -76,6 +82,8 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     lad: LadderConfig = cfg.ladder
     phases = [(p.steps, p.seq_len) for p in cfg.phases()]
     target_flops, _ = flops(cfg.model, cfg.train, vocab, phases)
+    if lad.fit == "additive":
+        return _plan_additive(cfg, vocab, target_flops)
     layers = lad.layers or (cfg.model.n_layers,) * len(lad.widths)
     models = [_model(cfg.model, w, n) for w, n in zip(lad.widths, layers)]
     longest = max(s for _, s in phases)
@@ -106,6 +114,30 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     raise ConfigError(f"ladder: no rung lengths fit ladder.budget_fraction={lad.budget_fraction}")
 
 
+def _plan_additive(cfg: RunConfig, vocab: int, target_flops: float) -> list[dict]:
+    """The additive fit's rungs: the first width at a few steps, the target's own shape at as many, and the first
+    width at the target's steps (the budget left after it sets how few)."""
+    lad: LadderConfig = cfg.ladder
+    small = _model(cfg.model, lad.widths[0], (lad.layers or (cfg.model.n_layers,))[0])
+    if (small.d_model, small.n_layers) == (cfg.model.d_model, cfg.model.n_layers):
+        raise ConfigError("ladder.widths[0] (with ladder.layers[0]) is the target's own shape: the additive fit "
+                          "needs a smaller one")
+    full = _rung_at(cfg, small, cfg.train.steps, vocab)
+    left = lad.budget_fraction * target_flops - full["flops"]
+    steps = int(cfg.train.steps * left / (full["flops"] + target_flops))  # both rungs' FLOPs grow with their steps
+    while steps >= lad.min_steps:
+        pair = [_rung_at(cfg, small, steps, vocab), _rung_at(cfg, cfg.model, steps, vocab)]
+        if sum(r["flops"] for r in pair) <= left * 1.0001:
+            return [r | {"params_active": flops(r["model"], r["train"], vocab)[1]} for r in (*pair, full)]
+        steps -= 1
+    raise ConfigError(
+        f"ladder: width {lad.widths[0]} at the target's {cfg.train.steps} steps costs "
+        f"{full['flops'] / target_flops:.1%} of its FLOPs, leaving too little of ladder.budget_fraction="
+        f"{lad.budget_fraction} for {lad.min_steps} (ladder.min_steps) steps of it and of the target's shape: "
+        "raise budget_fraction, lower min_steps, or give a narrower widths[0]"
+    )
+
+
 def _rung(cfg: RunConfig, m: ModelConfig, t: Transformer, tokens: float, vocab: int, shares: list) -> dict:
     """One rung of `m` for about `tokens` tokens (at least `ladder.min_steps` steps)."""
     phases = [(p.steps, p.seq_len) for p in cfg.phases()]
@@ -115,6 +147,12 @@ def _rung(cfg: RunConfig, m: ModelConfig, t: Transformer, tokens: float, vocab: 
     else:
         fpt = t.flops_per_token(shares[0][1])
         steps = max(cfg.ladder.min_steps, _steps_for(fpt * tokens, t, cfg.train.batch_size, phases))
+    return _rung_at(cfg, m, steps, vocab)
+
+
+def _rung_at(cfg: RunConfig, m: ModelConfig, steps: int, vocab: int) -> dict:
+    """One rung of `m` for `steps` steps of the target's schedule shape."""
+    phases = [(p.steps, p.seq_len) for p in cfg.phases()]
     train = cfg.train.model_copy(
         update={
             "steps": steps,
@@ -201,9 +239,12 @@ def fit(compute: list[float], loss: list[float], target: float, bootstrap: int =
 
 
 def stage(s: dict, inputs: dict, out: Path) -> dict:
-    """The `ladder` stage's body: `s` holds the ladder, model, train, seed and phases; inputs the rungs."""
+    """The `ladder` stage's body: `s` holds the ladder, model, train, seed and phases (and, for the additive fit,
+    the held-out rows' cap and the device); inputs the rungs, the tokenizer and (additive) the target's mix."""
     rungs = [m.dir for k, m in sorted(inputs.items()) if k.startswith("rung")]
     vocab = tokenizer.load(inputs["tokenizer"].dir).get_vocab_size()
+    held = (heldout_losses(rungs, inputs["mix"].dir, s["eval_sequences"], s["device"])
+            if s["ladder"].fit == "additive" else None)
     return predict(
         s["ladder"],
         s["model"],
@@ -213,7 +254,49 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         rung_dirs=rungs,
         vocab=vocab,
         out=out,
+        heldout=held,
     )
+
+
+def heldout_losses(rung_dirs: list[Path], mix_dir: Path, cap: int, where: str) -> list[dict[str, np.ndarray]]:
+    """Each rung's loss on each of the target's held-out rows that evaluation scores, by domain."""
+    dev = device.resolve(where)
+    held = evaluate.HeldOut(mix_dir, cap)
+    out = []
+    for folder in rung_dirs:
+        model = evaluate.load_model(folder).to(dev)
+        out.append({d: evaluate.row_losses(model, held.data[p], dev) for d, p in held.picked.items()})
+    return out
+
+
+def additive(rows: list[dict], heldout: list[dict[str, np.ndarray]], model: ModelConfig, steps: int,
+             bootstrap: int, seed: int) -> dict:
+    """L(N, D) = g(N) + h(D), as in Chinchilla's form but with no power law assumed: the target's loss is the
+    small rung's at the target's steps plus what the target's shape gains over the small one at a few steps.
+    On held-out losses (the mean over domains), with a 90% band from resampling each domain's held-out rows
+    (the same rows for every rung); on final training losses for the target run's live band."""
+    full = next(i for i, r in enumerate(rows) if r["steps"] == steps)
+    big = next(i for i, r in enumerate(rows) if (r["d_model"], r["n_layers"]) == (model.d_model, model.n_layers))
+    sign = {full: 1.0, big: 1.0} | {i: -1.0 for i in range(len(rows)) if i not in (full, big)}
+
+    def combine(values: list[float]) -> float:
+        return sum(sign[i] * values[i] for i in sign)
+
+    predicted = combine([_domains_mean(h) for h in heldout])
+    rng = np.random.default_rng(seed)
+    preds = []
+    for _ in range(bootstrap):
+        pick = {d: rng.integers(0, len(v), len(v)) for d, v in heldout[0].items()}
+        preds.append(combine([_domains_mean({d: h[d][i] for d, i in pick.items()}) for h in heldout]))
+    lo, hi = np.percentile(preds, [5, 95]).tolist()
+    train = combine([r["final_loss"] for r in rows])
+    return {"predicted_heldout": predicted, "heldout_band": [lo, hi], "predicted": train,
+            "band": [train * lo / predicted, train * hi / predicted], "bootstrap_fits": len(preds)}
+
+
+def _domains_mean(losses: dict[str, np.ndarray]) -> float:
+    """The held-out loss averaged over domains (each domain's the mean of its rows'), as the card reads it."""
+    return float(np.mean([v.mean() for v in losses.values()]))
 
 
 def predict(
@@ -226,46 +309,33 @@ def predict(
     rung_dirs: list[Path],
     vocab: int,
     out: Path,
+    heldout: list[dict[str, np.ndarray]] | None = None,
 ) -> dict:
-    """Fit the rungs' final losses and write the pre-registered `prediction.json` and `curves.json`."""
+    """Fit the rungs' losses and write the pre-registered `prediction.json` and `curves.json`. `heldout`: each
+    rung's held-out row losses by domain (the additive fit)."""
     target_flops, target_params = flops(model, train, vocab, [(p.steps, p.seq_len) for p in phases])
-    rows, curves = [], []
-    for folder in rung_dirs:
-        stats = json.loads((folder / "lineage.json").read_text())["stats"]
-        ce = [json.loads(line)["ce"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        final = tail_loss(ce)
-        rows.append(
-            {
-                "d_model": stats["d_model"],
-                "n_layers": stats["n_layers"],
-                "params_active": stats["params_active"],
-                "steps": stats["steps"],
-                "tokens": stats["tokens"],
-                "flops": stats["flops"],
-                "final_loss": round(final, 4),
-                "peak_grad_norm": stats["peak_grad_norm"],
-                "final_load_imbalance": stats["final_load_imbalance"],
-            }
-        )
-        s = smooth(ce)
-        curves.append(
-            {"fraction": (np.arange(1, len(s) + 1) / len(s)).tolist(), "ratio": (s / final).tolist()}
-        )
-    result = fit(
-        [r["flops"] for r in rows],
-        [r["final_loss"] for r in rows],
-        target_flops,
-        bootstrap=lad.bootstrap,
-        seed=seed,
-    )
+    rows, curves = _rungs(rung_dirs)
+    if lad.fit == "additive":
+        for r, h in zip(rows, heldout or [], strict=True):
+            r["heldout_loss"] = round(_domains_mean(h), 4)
+        result = additive(rows, heldout, model, train.steps, lad.bootstrap, seed)
+        fitted = {"kind": "additive", "bootstrap_fits": result["bootstrap_fits"]}
+        held = {"predicted_heldout_loss": round(result["predicted_heldout"], 4),
+                "heldout_band": [round(v, 4) for v in result["heldout_band"]]}
+    else:
+        result = fit([r["flops"] for r in rows], [r["final_loss"] for r in rows], target_flops,
+                     bootstrap=lad.bootstrap, seed=seed)
+        fitted = {"kind": "compute", **{k: result[k] for k in ("E", "A", "alpha", "residual_rms", "bootstrap_fits")}}
+        held = {}
     prediction = {
         "registered_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "target": {"flops": target_flops, "params_active": target_params, "steps": train.steps},
         "ladder_flops": sum(r["flops"] for r in rows),
         "ladder_fraction": sum(r["flops"] for r in rows) / target_flops,
-        "fit": {k: result[k] for k in ("E", "A", "alpha", "residual_rms", "bootstrap_fits")},
+        "fit": fitted,
         "predicted_final_loss": round(result["predicted"], 4),
         "band": [round(v, 4) for v in result["band"]],
+        **held,
         "bounds": {
             "peak_grad_norm": max(r["peak_grad_norm"] for r in rows),
             "final_load_imbalance": max(max(r["final_load_imbalance"]) for r in rows),
@@ -275,6 +345,22 @@ def predict(
     (out / "prediction.json").write_text(json.dumps(prediction, indent=2, sort_keys=True))
     (out / "curves.json").write_text(json.dumps(curves))
     return prediction
+
+
+def _rungs(rung_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Each rung's shape, cost, final training loss and health from its lineage and metrics, and its loss
+    curve as a ratio to its final loss against the fraction of its steps."""
+    rows, curves = [], []
+    for folder in rung_dirs:
+        stats = json.loads((folder / "lineage.json").read_text())["stats"]
+        ce = [json.loads(line)["ce"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        final = tail_loss(ce)
+        rows.append({**{k: stats[k] for k in ("d_model", "n_layers", "params_active", "steps", "tokens", "flops")},
+                     "final_loss": round(final, 4),
+                     **{k: stats[k] for k in ("peak_grad_norm", "final_load_imbalance")}})
+        s = smooth(ce)
+        curves.append({"fraction": (np.arange(1, len(s) + 1) / len(s)).tolist(), "ratio": (s / final).tolist()})
+    return rows, curves
 
 
 class Band:

@@ -29,7 +29,11 @@ def _train_libs(s: TrainStageConfig) -> tuple[str, ...]:
 
 
 def _ladder_config(c: RunConfig) -> dict:
-    return {"ladder": c.ladder, "model": c.model, "train": c.train, "seed": c.seed, "phases": c.phases()}
+    """The additive fit also scores its rungs on the target's held-out rows, as evaluation does."""
+    s = {"ladder": c.ladder, "model": c.model, "train": c.train, "seed": c.seed, "phases": c.phases()}
+    if c.ladder and c.ladder.fit == "additive":
+        s |= {"eval_sequences": c.evaluate.max_sequences_per_domain, "device": c.evaluate.device or c.train.device}
+    return s
 
 
 def _search_config(c: RunConfig) -> dict:

@@ -56,6 +56,78 @@ def test_rungs_stay_within_the_budget_that_min_steps_pushes_on():
         ladder.plan(over, vocab=8192)
 
 
+def test_the_additive_plan_spends_what_its_narrow_full_rung_leaves_on_two_short_rungs():
+    tiny = configs.load("tiny")
+    target, _ = ladder.flops(tiny.model, tiny.train, 8192, [(p.steps, p.seq_len) for p in tiny.phases()])
+
+    def additive(**kw):
+        return tiny.model_copy(update={"ladder": LadderConfig(fit="additive", widths=(32,), layers=(1,), **kw)})
+
+    small, big, full = ladder.plan(additive(budget_fraction=0.3), vocab=8192)
+    assert [(r["model"].d_model, r["model"].n_layers) for r in (small, big, full)] == [(32, 1), (128, 2), (32, 1)]
+    assert full["train"].model_copy(update={"checkpoint_every": tiny.train.checkpoint_every}) == tiny.train
+    assert small["train"].steps == big["train"].steps < tiny.train.steps
+    spent = sum(r["flops"] for r in (small, big, full))
+    assert spent <= 0.3 * target * 1.0001
+    longer = [ladder._rung_at(tiny, m, big["train"].steps + 1, 8192) for m in (small["model"], big["model"])]
+    assert full["flops"] + sum(r["flops"] for r in longer) > 0.3 * target  # one step more would not fit
+    with pytest.raises(configs.ConfigError, match="width 32 at the target's 300 steps costs 17.5%"):
+        ladder.plan(additive(budget_fraction=0.15), vocab=8192)
+    with pytest.raises(configs.ConfigError, match="the target's own shape"):
+        ladder.plan(tiny.model_copy(update={"ladder": LadderConfig(fit="additive", widths=(128,))}), vocab=8192)
+    with pytest.raises(ValueError, match="at least 3 widths"):
+        LadderConfig(widths=(32,))
+
+
+def _separable(d_model: int, steps: int, rows: int, rng) -> np.ndarray:
+    """Held-out row losses of a known L(N, D) = g(N) + h(D), with row-to-row noise."""
+    return 2.0 + 40.0 / d_model + 30.0 / steps ** 0.5 + rng.normal(0, 0.05, rows)
+
+
+def test_the_additive_fit_recovers_a_separable_law():
+    rng = np.random.default_rng(0)
+    shapes = [(32, 1, 30), (128, 2, 30), (32, 1, 300)]
+    rows = [{"d_model": d, "n_layers": n, "steps": t, "final_loss": 5.0} for d, n, t in shapes]
+    held = [{dom: _separable(d, t, 64, rng) for dom in ("a", "b")} for d, _, t in shapes]
+    fit = ladder.additive(rows, held, configs.ModelConfig(d_model=128, n_layers=2), 300, bootstrap=200, seed=0)
+    truth = 2.0 + 40.0 / 128 + 30.0 / 300 ** 0.5
+    assert fit["predicted_heldout"] == pytest.approx(truth, abs=0.03)
+    lo, hi = fit["heldout_band"]
+    assert lo < fit["predicted_heldout"] < hi and hi - lo < 0.1
+    assert fit["predicted"] == pytest.approx(5.0) and fit["band"][0] < 5.0 < fit["band"][1]
+
+
+def _rung_folder(folder: Path, d_model: int, layers: int, steps: int, ce: float) -> Path:
+    folder.mkdir()
+    stats = {"d_model": d_model, "n_layers": layers, "params_active": d_model * 1000, "steps": steps,
+             "tokens": steps * 100, "flops": d_model * steps * 1e6, "peak_grad_norm": 1.0,
+             "final_load_imbalance": [1.1]}
+    (folder / "lineage.json").write_text(json.dumps({"stats": stats}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"ce": ce + 1 / (i + 1)}) + "\n" for i in range(steps)))
+    return folder
+
+
+def test_an_additive_prediction_is_registered_and_carded_against_the_held_out_loss(tmp_path):
+    from moeflow.card import training
+
+    shapes = [(32, 1, 10, 6.0), (128, 2, 10, 5.5), (32, 1, 40, 5.0)]
+    dirs = [_rung_folder(tmp_path / f"r{i}", *s) for i, s in enumerate(shapes)]
+    held = [{"a": np.full(8, ce + 0.5), "b": np.full(8, ce + 0.7)} for *_, ce in shapes]
+    model = configs.ModelConfig(d_model=128, n_layers=2)
+    train = configs.TrainConfig(steps=40)
+    (out := tmp_path / "out").mkdir()
+    p = ladder.predict(LadderConfig(fit="additive", widths=(32,)), model, train, [], seed=0, rung_dirs=dirs,
+                       vocab=100, out=out, heldout=held)
+    assert p == json.loads((out / "prediction.json").read_text())
+    assert p["predicted_heldout_loss"] == pytest.approx(5.1) and p["heldout_band"] == [5.1, 5.1]
+    assert [r["heldout_loss"] for r in p["rungs"]] == [6.6, 6.1, 5.6]
+    ev = {"stats": {"heldout": {"a": {"loss": 5.0}, "b": {"loss": 5.4}}}}
+    card = training.ladder({"stats": p, "artifact": {"hash": "h"}}, {"tail_loss": p["predicted_final_loss"]}, ev)
+    assert "| held-out loss (mean over domains) | 5.1 (5.1 to 5.1) | 5.2000 (outside the band) | +1.92% |" in (
+        card["prediction_table"])
+    assert "g(N) + h(D)" in card["fit_text"]
+
+
 def test_band_follows_the_ladder_curves(tmp_path):
     (tmp_path / "prediction.json").write_text(json.dumps({"band": [2.0, 2.2]}))
     curve = {"fraction": [0.5, 1.0], "ratio": [1.5, 1.0]}
@@ -72,7 +144,8 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
     path = write_config(
         tmp_path / "ladder.yaml",
         store=str(tmp_path / "store"),
-        ladder={"widths": [16, 32, 48], "budget_fraction": 0.3, "min_steps": 8},
+        # the additive fit (tiny's): a narrow rung of the target's 40 steps, it and the target's shape at 11
+        ladder={"fit": "additive", "widths": [16], "layers": [1], "budget_fraction": 0.5, "min_steps": 5},
     )
     out = pretrain(config=str(path))
     assert [k for k in out["stages"] if k.startswith("rung")] == [
@@ -91,10 +164,12 @@ def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_da
         assert [p["phase"] for p in lin[f"rung{i}"]["stats"]["phases"]] == [0, 1]
     assert lin["ladder"]["finished_at"] <= lin["train"]["started_at"]
     assert lin["train"]["inputs"]["prediction"]["hash"] == lin["ladder"]["artifact"]["hash"]
+    assert lin["ladder"]["inputs"]["mix"]["hash"] == lin["mix"]["artifact"]["hash"]  # its held-out rows
     prediction = json.loads((Path(out["stages"]["ladder"]["artifact"]) / "prediction.json").read_text())
     assert prediction["registered_at"] <= lin["train"]["started_at"]
     text = Path(out["card"]).read_text()
-    assert f"| predicted | {prediction['predicted_final_loss']} " in text and "relative error" in text
+    assert f"| final training loss (mean of the last tenth of steps) | {prediction['predicted_final_loss']} (" in text
+    assert f"| held-out loss (mean over domains) | {prediction['predicted_heldout_loss']} (" in text
     metrics = (Path(out["stages"]["train"]["artifact"]) / "metrics.jsonl").read_text().splitlines()
     assert "ladder_band" in json.loads(metrics[-1])
     _rungs_show_progress_in_the_ui(lin)
