@@ -2,13 +2,14 @@
 
 Run: `python benchmarks/ladder.py [--seeds 1234 1 2] [--presets tiny smoke] [--store DIR]`.
 
-Each (preset, seed) is one `moeflow run CONFIG --until train` of the preset with `seed` replaced (smoke gets
-the ladder of `SMOKE_LADDER`: the preset has none), against the store of `--store` (default: the usual one,
-so the data stages, keyed without the run's seed, are reused across seeds; the mix, rungs, ladder and
-target are the seed's own). From the run's record it reads the ladder's pre-registered `prediction.json` and
-the train stage's `tail_loss` (the card's "actual": the mean training cross-entropy of the last tenth of the
-steps). Per run: predicted, band, actual, relative error (actual - predicted) / actual, inside the band,
-the ladder's FLOPs as a share of the target's. The last line is one JSON object with `runs` and the
+Each (preset, seed) is one `moeflow run CONFIG --until train` (`--until evaluate` for an additive ladder) of
+the preset with `seed` replaced (smoke gets the ladder of `SMOKE_LADDER`: the preset has none), against the
+store of `--store` (default: the usual one, so the data stages, keyed without the run's seed, are reused across
+seeds; the mix, rungs, ladder and target are the seed's own). From the run's record it reads the ladder's
+pre-registered `prediction.json` and what it predicted: for the additive fit (tiny's) the held-out loss
+averaged over domains (evaluate's), else the train stage's `tail_loss` (the mean training cross-entropy of the
+last tenth of the steps). Per run: predicted, band, actual, relative error (actual - predicted) / actual,
+inside the band, the ladder's FLOPs as a share of the target's. The last line is one JSON object with `runs` and the
 headline keys `max_abs_error` (the largest |relative error|), `all_inside_band` and `flops_share` (the
 largest), and `tiny_seed_spread`: (max - min) / mean of the tiny seeds' actual losses, how far the target's
 own loss moves with the seed alone. What it does not show: any corpus but the presets' own (issue 35 checks
@@ -37,21 +38,33 @@ def run_once(preset: str, seed: int, store: str | None, work: Path) -> dict:
         data["ladder"] = SMOKE_LADDER
     if store:
         data["store"] = store
-    root, stages = run_until(data, f"{preset}-{seed}", "train", work)
+    additive = data["ladder"].get("fit") == "additive"
+    root, stages = run_until(data, f"{preset}-{seed}", "evaluate" if additive else "train", work)
     pred = json.loads((root / "ladder" / f"ladder-{stages['ladder']['hash']}" / "prediction.json").read_text())
-    stats = json.loads((root / "train" / f"train-{stages['train']['hash']}" / "lineage.json").read_text())["stats"]
-    actual, predicted, (lo, hi) = stats["tail_loss"], pred["predicted_final_loss"], pred["band"]
+    if additive:  # the held-out loss averaged over domains, on the target's rows that scored the rungs
+        held = _stats(root, "evaluate", stages)["heldout"]
+        actual = round(sum(r["loss"] for r in held.values()) / len(held), 4)
+        predicted, (lo, hi) = pred["predicted_heldout_loss"], pred["heldout_band"]
+    else:
+        actual = _stats(root, "train", stages)["tail_loss"]
+        predicted, (lo, hi) = pred["predicted_final_loss"], pred["band"]
     return {
         "preset": preset,
         "seed": seed,
+        "loss": "held-out" if additive else "final training",
         "predicted": predicted,
         "band": [lo, hi],
         "actual": actual,
         "relative_error": round((actual - predicted) / actual, 4),
         "inside_band": lo <= actual <= hi,
         "flops_share": round(pred["ladder_fraction"], 4),
-        "rungs": [[r["d_model"], r["n_layers"], r["steps"], r["final_loss"]] for r in pred["rungs"]],
+        "rungs": [[r["d_model"], r["n_layers"], r["steps"], r["final_loss"], r.get("heldout_loss")]
+                  for r in pred["rungs"]],
     }
+
+
+def _stats(root: Path, stage: str, stages: dict) -> dict:
+    return json.loads((root / stage / f"{stage}-{stages[stage]['hash']}" / "lineage.json").read_text())["stats"]
 
 
 def main() -> None:

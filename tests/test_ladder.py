@@ -46,7 +46,8 @@ def test_rungs_keep_the_recipe_and_the_budget():
 
 
 def test_rungs_stay_within_the_budget_that_min_steps_pushes_on():
-    tiny = configs.load("tiny")
+    tiny = configs.load("tiny").model_copy(update={"ladder": LadderConfig(  # tiny's compute ladder before 2026-12
+        widths=(32, 64, 64, 96, 96), layers=(1, 1, 2, 1, 2), budget_fraction=0.25, min_steps=20)})
     target, _ = ladder.flops(tiny.model, tiny.train, 8192, [(p.steps, p.seq_len) for p in tiny.phases()])
     rungs = ladder.plan(tiny, vocab=8192)  # its narrowest rung sits at min_steps
     assert rungs[0]["train"].steps == tiny.ladder.min_steps
