@@ -433,6 +433,9 @@ def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, po
     assert said["heldout"].startswith(f"precision {held['precision']}, recall {held['recall']}, ROC AUC "
                                       f"{held['roc_auc']}")
     assert said["rule"] == '{"threshold": 0.5, "top_fraction": null}'
+    rule = built["model"].stats["grammar"]
+    assert said["grammar"] == (f"threshold {rule['threshold']}: zero, or the 0.005 quantile of {rule['documents']} "
+                               "corpus documents where lower")
     by_domain = built["quality"].stats["by_domain"]
     assert said["kept"] == ", ".join(f"{d} {v['kept']} of {v['documents']}" for d, v in by_domain.items())
     assert dataset._classifier(collect([built["model"].dir])) is None  # no quality stage: nothing selected
