@@ -13,15 +13,19 @@ five kinds: `shuffled` (a document's words in random order), `spam` (keywords an
 `spliced` (two documents cut mid-sentence and joined), `templated` (a near-empty page of a template),
 `no_function_words` (a document with its function words removed). `--clean-loss` (0.02) is the share of
 clean documents the quality stage is let drop: the coherence rule takes its own (`quality.coherence.clean_loss`,
-0.01 by default) and the classifier's threshold is the quantile of what is left (0.01) of the scores of the
-corpus documents `quality_model` held out (no junk seen).
-The coherence rule (`quality/coherence.py`) is calibrated, as `quality_model` does, on the
-same corpus sample, never on junk. Reported: per judge (heuristics; `score_only`, the classifier's score;
-`classifier`, the quality stage: score and coherence; `both`), the recall of planted junk and the fraction
+0.01 by default), the grammar rule its at most (`quality.grammar.clean_loss`, 0.005), and the classifier's
+threshold is the quantile of what is left (0.005) of the scores of the corpus documents no model scoring
+them saw (`quality_model`'s held-out ones, and each training one scored by a model trained without its
+fold; no junk seen).
+The coherence and grammar rules (`quality/coherence.py`, `quality/grammar.py`) are calibrated, as
+`quality_model` does, on the same corpus sample, never on junk; neither reads a word list of this file.
+Reported: per judge (heuristics; `score_only`, the classifier's score; `quality.incoherent` and
+`quality.ungrammatical`, what each rule drops, in the stage's order; `classifier`, the quality stage: score
+and rules; `both`), the recall of planted junk and the fraction
 of clean documents dropped; `junk_recall` is the quality stage's recall (with the heuristics) on the junk the
 heuristics alone keep, and `junk_recall_per_kind` the same per kind; `mb_per_s_core` is scoring throughput
 on one process (best of 3): the bytes of the whole documents over the time to score them (the classifier
-reads each one's first `max_chars` characters, the coherence all of it);
+reads each one's first `max_chars` characters, the rules all of it);
 `heldout_auc` the classifier's held-out ROC AUC on its own construction (held-out clean documents against
 degraded versions of them). Last line: one JSON object.
 """
@@ -43,7 +47,7 @@ from moeflow.configs import PositiveSource, QualityConfig
 from moeflow.ingest import resolve_source
 from moeflow.ingest.reader import records
 from moeflow.quality import classifier as qc
-from moeflow.quality import coherence
+from moeflow.quality.score import Rules
 
 FUNCTION_WORDS = set("the a an of to in and or but is are was were be been for on at by with from as that this "
                      "it its which who whom whose not no if then than so such".split())
@@ -55,6 +59,7 @@ DOCS = "usr/share/doc/python3.11/html/_sources"
 
 
 BUILT: dict[tuple[str, ...], list] = {}
+RULES = ("quality.incoherent", "quality.ungrammatical")
 
 
 def heuristics_keep(cfg: configs.RunConfig, text: str, *keys: str) -> bool:
@@ -113,25 +118,28 @@ def quality_config(cfg: configs.RunConfig, seed: int) -> QualityConfig:
 
 def train(q: QualityConfig, corpus: list[str], folder: Path):
     """The classifier, trained as `quality_model` trains (`classifier.build`), `corpus` as the corpus sample,
-    and its coherence rule calibrated on the same sample; and its held-out metrics."""
-    stats = qc.build(qc.slice_of(q), qc.read_positives(q.positives), corpus, folder)
-    stats["coherence"] = coherence.write(folder, coherence.calibrate(corpus, q.coherence))
-    return qc.load(str(folder / qc.MODEL)), coherence.Judge(folder), stats
+    and its coherence and grammar rules calibrated on the same sample; and its held-out metrics."""
+    s = qc.slice_of(q)
+    stats = qc.build(s, qc.read_positives(q.positives), corpus, folder) | qc.calibrate_rules(s, corpus, folder)
+    return qc.load(str(folder / qc.MODEL)), Rules(folder), stats
 
 
-def score(model, judge: coherence.Judge, label: str, texts: list[str], chars: int) -> tuple[np.ndarray, np.ndarray]:
+def score(model, rules: Rules, label: str, texts: list[str], chars: int) -> tuple[np.ndarray, list]:
     """What the `quality` stage's score phase computes: the classifier's score of each text's first `chars`
-    characters, and the coherence of the whole text."""
-    return qc.scores(model, label, [qc.line(t, chars) for t in texts]), np.array([judge.value(t) for t in texts])
+    characters, and the rule each whole text fails (`quality.incoherent`, `quality.ungrammatical`) or None."""
+    values = [dict(zip(("coherence", "grammar"), rules.values(t), strict=True)) for t in texts]
+    return qc.scores(model, label, [qc.line(t, chars) for t in texts]), [rules.failed(v) for v in values]
 
 
 def judged(cfg: configs.RunConfig, texts: list[tuple[str, str]], scores: np.ndarray, threshold: float,
-           incoherent: np.ndarray) -> dict:
-    """Per judge (heuristics, the classifier's score alone, the quality stage: score and coherence, and the
-    heuristics with the quality stage), which of `texts` ((domain, text)) it drops."""
+           failed: list) -> dict:
+    """Per judge (heuristics, the classifier's score alone, each rule alone, the quality stage: score and
+    rules, and the heuristics with the quality stage), which of `texts` ((domain, text)) it drops."""
     heur = np.array([not heuristics_keep(cfg, t, d) for d, t in texts])
     cls = scores < threshold
-    return {"heuristics": heur, "score_only": cls, "classifier": cls | incoherent, "both": heur | cls | incoherent}
+    ruled = {r: np.array([f is not None and f[0] == r for f in failed]) for r in RULES}
+    stage = cls | ruled[RULES[0]] | ruled[RULES[1]]
+    return {"heuristics": heur, "score_only": cls, **ruled, "classifier": stage, "both": heur | stage}
 
 
 def classifier_threshold(stats: dict, share: float) -> float:
@@ -160,19 +168,19 @@ def main() -> dict:
     fit, test = clean[:half], clean[half:]
     with tempfile.TemporaryDirectory() as tmp:
         q = quality_config(cfg, args.seed)
-        model, judge, stats = train(q, [t for _, t in fit], Path(tmp))
-        held, threshold = stats["heldout"], classifier_threshold(stats, args.clean_loss - q.coherence.clean_loss)
+        model, rules, stats = train(q, [t for _, t in fit], Path(tmp))
+        rules_loss = q.coherence.clean_loss + q.grammar.clean_loss
+        held, threshold = stats["heldout"], classifier_threshold(stats, args.clean_loss - rules_loss)
         chars = q.train.max_chars
         junk = [(d, k, j) for (d, t) in test for k, j in make_junk([t, rng.choice(test)[1]], rng)[:5]]
         texts = [t for _, t in test] + [j for _, _, j in junk]
         seconds = []
         for _ in range(3):  # best of 3: the machine is shared
             t0 = time.perf_counter()
-            scores, coherent = score(model, judge, stats["label"], texts, chars)
+            scores, failed = score(model, rules, stats["label"], texts, chars)
             seconds.append(time.perf_counter() - t0)
-        incoherent = ~np.array([judge.passes(c) for c in coherent])
     mb = sum(len(x.encode()) for x in texts) / 1e6
-    drops = judged(cfg, [(d, t) for d, t in test] + [(d, j) for d, _, j in junk], scores, threshold, incoherent)
+    drops = judged(cfg, [(d, t) for d, t in test] + [(d, j) for d, _, j in junk], scores, threshold, failed)
     n = len(test)
     report = {}
     for judge, dropped in drops.items():
@@ -190,7 +198,7 @@ def main() -> dict:
            "judges": report, "junk_recall": round(float(caught[missed].mean()), 4), "junk_recall_per_kind": per_kind,
            "clean_dropped_fraction": report["both"]["clean_dropped_fraction"],
            "mb_per_s_core": round(mb / min(seconds), 2), "heldout_auc": held["roc_auc"], "heldout": held,
-           "coherence": stats["coherence"]}
+           "coherence": stats["coherence"], "grammar": {k: v for k, v in stats["grammar"].items() if k != "words"}}
     return out
 
 

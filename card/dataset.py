@@ -116,7 +116,7 @@ def _classifier(graph: dict[str, dict]) -> dict | None:
     model, kept = single(graph, "quality_model"), single(graph, "quality")
     ms, held = model["stats"], model["stats"].get("heldout", "not measured")
     syn = model["config"].get("synthetic_negatives", {}).get("kinds")
-    coherence = ms.get("coherence") or {}
+    coherence, grammar = ms.get("coherence") or {}, ms.get("grammar") or {}
     return {
         "what": "a fastText classifier trained by `quality_model`" if ms["source"] == "trained"
         else f"your fastText classifier `{model['config']['model']}`",
@@ -131,6 +131,8 @@ def _classifier(graph: dict[str, dict]) -> dict | None:
             f", overrides {json.dumps(kept['config']['overrides'])}" if kept["config"].get("overrides") else ""),
         "coherence": f"threshold {coherence['threshold']}, the {coherence['clean_loss']} quantile of "
         f"{coherence['documents']} corpus documents" if coherence.get("threshold") else "",
+        "grammar": f"threshold {grammar['threshold']}: zero, or the {grammar['clean_loss']} quantile of "
+        f"{grammar['documents']} corpus documents where lower" if grammar.get("threshold") is not None else "",
         "kept": ", ".join(f"{d} {v['kept']:,} of {v['documents']:,}" for d, v in kept["stats"]["by_domain"].items()),
     }
 

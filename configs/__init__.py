@@ -24,6 +24,7 @@ from moeflow.configs.data import (
 from moeflow.configs.quality import (
     ClassifierTrain,
     Coherence,
+    Grammar,
     KeepRule,
     PositiveSource,
     QualityConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "BenchmarkConfig",
     "ClassifierTrain",
     "Coherence",
+    "Grammar",
     "SyntheticNegatives",
     "ConfigError",
     "DATATROVE_FILTERS",

@@ -53,6 +53,10 @@ class ClassifierTrain(Frozen):
     bucket: int = Field(default=50_000, ge=0)  # hash buckets of the word n-grams (0 with word_ngrams 1)
     min_count: int = Field(default=1, ge=1)
     max_chars: int = Field(default=20_000, gt=0)  # of each document, the text the classifier reads
+    # models trained without a fold of the training corpus documents each, to score those documents unseen:
+    # the clean-loss quantiles come from every sampled corpus document, not the held-out fifth alone (0 or 1:
+    # from the held-out ones only; each fold is one more training)
+    folds: int = Field(default=4, ge=0)
 
 
 Degrader = Literal["unigram", "bigram", "window_shuffle", "token_drop", "repeat_span", "patchwork", "keywords"]
@@ -82,6 +86,17 @@ class Coherence(Frozen):
     sample: int = Field(default=200, ge=20)
 
 
+class Grammar(Frozen):
+    """Documents whose small words are not where running text puts them (`quality/grammar.py`): dropped when
+    the per-token log-likelihood ratio of what follows the corpus sample's `top` words by document frequency
+    (the sample's transitions over the document's own word frequencies) is below zero (no more grammar than
+    chance), or below the `clean_loss` quantile of the sample's own values where that is lower."""
+
+    # at most the share of clean documents (the corpus sample) the rule may drop; 0 turns it off
+    clean_loss: float = Field(default=0.005, ge=0, lt=0.5)
+    top: int = Field(default=50, ge=1)  # the sample's most widespread words: its language's function words
+
+
 class QualityConfig(Frozen):
     # high-quality reference text to train on; with `model`, used only to measure the given model
     positives: tuple[PositiveSource, ...] = ()
@@ -93,6 +108,7 @@ class QualityConfig(Frozen):
     train: ClassifierTrain = ClassifierTrain()
     synthetic_negatives: SyntheticNegatives = SyntheticNegatives()
     coherence: Coherence = Coherence()
+    grammar: Grammar = Grammar()
     keep: KeepRule = KeepRule(threshold=0.5)
     overrides: dict[str, KeepRule] = {}  # per domain or source name (a source's rule wins over its domain's)
     # record shards the stage is split into (unset: `execution.shards`); the output is the same for any

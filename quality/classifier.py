@@ -7,8 +7,9 @@ domain. Without, it follows DCLM's recipe: positives (`__label__hq`) against the
 fastText trains on one thread with the seed, so the model's bytes are the same for a seed. Given
 (`quality.model`), the file is used as is. Either way the artifact holds `model.bin` and, when positives are
 declared, the model's held-out precision, recall and ROC AUC on the same construction, and the quantiles of
-the held-out corpus documents' scores (the threshold that drops 1%, 2%, 5%, 10% of clean text) (else "not
-measured").
+the scores of corpus documents the scoring model never saw (the threshold that drops 0.5%, 1%, 2%, 5%, 10% of
+clean text: the held-out ones, and each training one scored by a model trained without its fold, or for a
+given model the whole sample) (else "not measured").
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from moeflow.core.documents import count_docs, iter_docs
 from moeflow.ingest import resolve_sources_list
 from moeflow.ingest.reader import records
 from moeflow.ingest.sources_stage import identities
-from moeflow.quality import coherence
+from moeflow.quality import coherence, grammar
 from moeflow.quality.degrade import degrade
 from moeflow.sources import fetch
 from moeflow.sources.stage import file_identity
@@ -38,7 +39,7 @@ from moeflow.sources.stage import file_identity
 HQ, CC = "__label__hq", "__label__cc"
 MIN_POSITIVES = 20  # a fifth held out leaves 4 to measure on and 16 to learn from: below that, no model
 MODEL = "model.bin"
-QUANTILES = (0.01, 0.02, 0.05, 0.1)  # of held-out corpus documents' scores: thresholds and the share below each
+QUANTILES = (0.005, 0.01, 0.02, 0.05, 0.1)  # of held-out corpus documents' scores: thresholds and the share below each
 
 
 class QualityError(ValueError):
@@ -173,6 +174,24 @@ def construction(pos: list[str], corpus: list[str], s: dict, seed: int) -> tuple
     return clean, [text for _, text in junk]
 
 
+def out_of_fold(s: dict, pos_train: list[str], cor_train: list[str]) -> np.ndarray:
+    """Scores of the training corpus documents, each by a model trained as the classifier is but without its
+    fold (`train.folds` of them; none: no scores): clean text the scoring model never saw, more of it than the
+    held-out split, so the low quantiles that set a clean-loss threshold come from more than a few documents."""
+    t, out = s["train"], []
+    folds = min(t.folds, len(cor_train))
+    for f in range(folds if folds > 1 else 0):
+        rest = [x for i, x in enumerate(cor_train) if i % folds != f]
+        clean, junk = construction(pos_train, rest, s, t.seed + 2 + f)
+        pairs = [(HQ, x) for x in clean] + [(CC, x) for x in junk]
+        with tempfile.TemporaryDirectory() as tmp:
+            train([pairs[i] for i in np.random.default_rng(t.seed + 2 + f).permutation(len(pairs))], s, Path(tmp))
+            model = load(str(Path(tmp) / MODEL))
+            out.extend(scores(model, hq_label(model, s["label"]), [line(x, t.max_chars) for x in cor_train[f::folds]]))
+            load.cache_clear()
+    return np.asarray(out, dtype=np.float64)
+
+
 def build(s: dict, pos: list[str], corpus: list[str], out: Path) -> dict:
     """Split, train and measure: the classifier of `pos` (positives' texts) and `corpus` (the corpus sample)
     into `out`, and its held-out metrics (with the held-out corpus documents' score quantiles)."""
@@ -188,8 +207,11 @@ def build(s: dict, pos: list[str], corpus: list[str], out: Path) -> dict:
     label = hq_label(model, s["label"])
     held_clean, held_junk = construction(pos_held, cor_held, s, t.seed + 1)
     heldout = measure(model, label, held_clean, held_junk, t.max_chars)
-    corpus_scores = scores(model, label, [line(x, t.max_chars) for x in cor_held])
+    unseen = corpus if s["model"] else cor_held  # a given model trained on none of the sample
+    corpus_scores = np.concatenate([scores(model, label, [line(x, t.max_chars) for x in unseen]),
+                                    [] if s["model"] else out_of_fold(s, pos_train, cor_train)])
     heldout["corpus_quantiles"] = {str(q): round(float(np.quantile(corpus_scores, q)), 6) for q in QUANTILES}
+    heldout["corpus_scored"] = len(corpus_scores)
     load.cache_clear()  # the staging folder is renamed when it commits
     return {"label": label, "labels": list(model.labels), "heldout": heldout,
             "positives": {"documents": len(pos), "train": len(pos_train), "heldout": len(pos_held)},
@@ -213,9 +235,17 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
         stats.update(label=hq_label(model, s["label"]), labels=list(model.labels))
         load.cache_clear()
         corpus = sample_corpus(inputs["docs"].dir, s["coherence"].sample, t.seed)
-    stats["coherence"] = coherence.write(out, coherence.calibrate(corpus, s["coherence"]))
+    stats |= calibrate_rules(s, corpus, out)
     (out / "metrics.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     return stats
+
+
+def calibrate_rules(s: dict, corpus: list[str], out: Path) -> dict:
+    """The coherence and grammar rules calibrated on the corpus sample `corpus` into `out`; their figures for
+    the metrics."""
+    tokens = [coherence.words(t) for t in corpus]
+    return {"coherence": coherence.write(out, coherence.calibrate(tokens, s["coherence"])),
+            "grammar": grammar.write(out, grammar.calibrate(tokens, s["grammar"]))}
 
 
 def config(c: RunConfig) -> dict:
@@ -226,7 +256,7 @@ def config(c: RunConfig) -> dict:
 def slice_of(q) -> dict:
     """What of a quality section shapes the model."""
     return {"positives": q.positives, "model": q.model, "label": q.label, "train": q.train,
-            "synthetic_negatives": q.synthetic_negatives, "coherence": q.coherence}
+            "synthetic_negatives": q.synthetic_negatives, "coherence": q.coherence, "grammar": q.grammar}
 
 
 def fetched(s: dict) -> dict:

@@ -40,20 +40,19 @@ class Idf:
         self.df, self.documents = df, documents
 
     @classmethod
-    def of(cls, texts: Sequence[str]) -> Idf:
-        df = Counter(w for t in texts for w in set(words(t)))
-        return cls({w: n for w, n in sorted(df.items()) if n >= 2}, len(texts))
+    def of(cls, tokens: Sequence[list[str]]) -> Idf:
+        df = Counter(w for ws in tokens for w in set(ws))
+        return cls({w: n for w, n in sorted(df.items()) if n >= 2}, len(tokens))
 
     def squared(self, vocab: list[str]) -> np.ndarray:
         df = np.fromiter((self.df.get(w, 1) for w in vocab), dtype=np.float64, count=len(vocab))
         return np.log((self.documents + 1) / (df + 1)) ** 2
 
 
-def coherence(text: str, idf: Idf, min_words: int) -> float:
+def coherence(ws: list[str], idf: Idf, min_words: int) -> float:
     """The lowest ratio, over the cuts leaving `min_words` words (of some weight) on each side, of the tf-idf
-    cosine between the words before and after the cut to its `expected` value; 1.0 for a document too short to
-    cut (6 decimals, clipped to [0, 1])."""
-    ws = words(text)
+    cosine between the document's words `ws` (`words(text)`) before and after the cut to its `expected` value;
+    1.0 for a document too short to cut (6 decimals, clipped to [0, 1])."""
     if len(ws) < 2 * min_words:
         return 1.0
     vocab = list(dict.fromkeys(ws))
@@ -86,11 +85,11 @@ def expected(n: int, tt: float, wt: float, min_words: int) -> np.ndarray:
     return (k * tt / n - pp) / np.sqrt(pp * ss)  # E[P.S] / sqrt(E|P|^2 E|S|^2)
 
 
-def calibrate(texts: Sequence[str], cfg) -> dict:
-    """The idf of `texts` (a corpus sample) and the threshold: the `cfg.clean_loss` quantile of their
-    coherences (documents below it are dropped; 0 keeps all)."""
-    idf = Idf.of(texts)
-    values = np.array([coherence(t, idf, cfg.min_words) for t in texts])
+def calibrate(tokens: Sequence[list[str]], cfg) -> dict:
+    """The idf of a corpus sample (each document's `words`) and the threshold: the `cfg.clean_loss` quantile of
+    their coherences (documents below it are dropped; 0 keeps all)."""
+    idf = Idf.of(tokens)
+    values = np.array([coherence(ws, idf, cfg.min_words) for ws in tokens])
     threshold = round(float(np.quantile(values, cfg.clean_loss)), 6) if cfg.clean_loss and len(values) else 0.0
     return {"df": idf.df, "documents": idf.documents, "threshold": threshold, "clean_loss": cfg.clean_loss,
             "min_words": cfg.min_words, "too_short": int((values == 1.0).sum())}
@@ -103,7 +102,7 @@ def write(out: Path, calibrated: dict) -> dict:
 
 
 class Judge:
-    """A model folder's coherence rule: `value(text)` and whether it `passes`."""
+    """A model folder's coherence rule: `value(tokens)` (`words(text)`) and whether it `passes`."""
 
     def __init__(self, model_dir: Path):
         path = model_dir / COHERENCE
@@ -111,8 +110,8 @@ class Judge:
                                                                "min_words": 1}
         self.idf, self.threshold, self.min_words = Idf(c["df"], c["documents"]), c["threshold"], c["min_words"]
 
-    def value(self, text: str) -> float:
-        return coherence(text, self.idf, self.min_words) if self.threshold > 0 else 1.0
+    def value(self, tokens: list[str]) -> float:
+        return coherence(tokens, self.idf, self.min_words) if self.threshold > 0 else 1.0
 
     def passes(self, value: float) -> bool:
         return value >= self.threshold

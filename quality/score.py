@@ -1,13 +1,14 @@
 """The `quality` stage: score every document with the classifier and keep the best, in three phases.
 
-`score` (record shards): each document's score, P(high quality) from `quality_model`, and its coherence
-(`coherence.py`, on the whole text) into `scores.parquet`.
+`score` (record shards): each document's score, P(high quality) from `quality_model`, its coherence
+(`coherence.py`) and its grammar (`grammar.py`), both on the whole text, into `scores.parquet`.
 `cutoffs` (one part): for each `top_fraction` group (a source, a domain or the corpus, as `quality.overrides`
 say) the last document kept, ranking by score, then id; and a domain the rules would empty fails here,
 before any document is written. `keep` (record shards): documents at or above their rule stay; the rest are
 `dropped` with reason `quality.below_threshold` and the score in the detail, or, whatever their score, with
-`quality.incoherent` when their coherence is below `quality_model`'s threshold (every ledger row carries its
-score). `top_fraction` ranks all documents by score; the incoherent are dropped on top. `merge` joins the
+`quality.incoherent` when their coherence is below `quality_model`'s threshold, or `quality.ungrammatical`
+when their grammar is not above its own (value and threshold in the detail; every ledger row carries its
+score). `top_fraction` ranks all documents by score; those the two rules drop go on top. `merge` joins the
 shards in rank order, so the output is the same for any shard count, and records per domain the five
 documents kept with the lowest scores and the five dropped with the highest (review).
 """
@@ -28,16 +29,37 @@ from moeflow.core.documents import DocWriter, iter_docs, join
 from moeflow.core.ledger import Ledger
 from moeflow.core.ledger import read as read_ledger
 from moeflow.core.progress import tqdm
+from moeflow.quality import coherence, grammar
 from moeflow.quality.classifier import MODEL, QualityError, hq_label, line, load, scores
-from moeflow.quality.coherence import Judge
 
 SCORES = "scores.parquet"
 CUTOFFS = "cutoffs.json"
 SCHEMA = pa.schema([("id", pa.string()), ("domain", pa.string()), ("source", pa.string()),
-                    ("score", pa.float64()), ("coherence", pa.float64())])
+                    ("score", pa.float64()), ("coherence", pa.float64()), ("grammar", pa.float64())])
 ROWS_PER_GROUP = 65_536  # fixed, so the joined scores have the same bytes for any shard count
 BINS = 20  # the per-domain score histogram: [0, 0.05), ..., [0.95, 1]
 BATCH = 512
+
+
+class Rules:
+    """A model folder's rules beside the score: coherence and grammar, each a value per document and the
+    reason it drops one for."""
+
+    def __init__(self, model_dir: Path):
+        self.coherence, self.grammar = coherence.Judge(model_dir), grammar.Judge(model_dir)
+
+    def values(self, text: str) -> tuple[float, float]:
+        """(coherence, grammar) of a document, its words read once."""
+        ws = coherence.words(text) if self.coherence.threshold > 0 or self.grammar.threshold is not None else []
+        return self.coherence.value(ws), self.grammar.value(ws)
+
+    def failed(self, scored: dict) -> tuple[str, dict] | None:
+        """(reason, detail) of the rule a scored row (its `coherence` and `grammar`) fails, or None."""
+        if not self.coherence.passes(scored["coherence"]):
+            return "quality.incoherent", {"coherence": scored["coherence"], "threshold": self.coherence.threshold}
+        if not self.grammar.passes(scored["grammar"]):
+            return "quality.ungrammatical", {"grammar": scored["grammar"], "threshold": self.grammar.threshold}
+        return None
 
 
 def score_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
@@ -46,7 +68,7 @@ def score_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: t
     label = inputs["model"].stats["label"]
     model = load(str(model_dir / MODEL))
     hq_label(model, label)
-    judge = Judge(model_dir)
+    rules = Rules(model_dir)
     rows: dict[str, list] = {name: [] for name in SCHEMA.names}
     batch: list[str] = []
 
@@ -58,7 +80,9 @@ def score_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: t
     for row in tqdm(docs, desc=f"quality score {part[0]}/{part[1]}", unit="doc", mininterval=5):
         for name in ("id", "domain", "source"):
             rows[name].append(row[name])
-        rows["coherence"].append(judge.value(row["text"]))
+        coherent, grammatical = rules.values(row["text"])
+        rows["coherence"].append(coherent)
+        rows["grammar"].append(grammatical)
         batch.append(line(row["text"], cfg.train.max_chars))
         if len(batch) == BATCH:
             flush()
@@ -74,8 +98,8 @@ def cutoffs_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part:
     ids = np.asarray(table.column("id").to_pylist(), dtype=object)
     score = table.column("score").to_numpy()
     domains, sources = table.column("domain").to_pylist(), table.column("source").to_pylist()
-    judge = Judge(inputs["model"].dir)
-    coherent = [judge.passes(c) for c in table.column("coherence").to_pylist()]
+    rules = Rules(inputs["model"].dir)
+    coherent = [rules.failed(r) is None for r in table.select(["coherence", "grammar"]).to_pylist()]
     groups = np.asarray([cfg.group(d, s) for d, s in zip(domains, sources, strict=True)], dtype=object)
     cuts: dict[str, list] = {}
     for group in sorted(set(groups.tolist())):
@@ -118,8 +142,8 @@ def _detail(cfg: QualityConfig, cuts: dict, domain: str, source: str, score: flo
 def keep_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tuple[int, int]) -> dict:
     """Keep one record shard's documents by their rule; every ledger row has the document's score."""
     cuts = json.loads((prior["cutoffs"][0] / CUTOFFS).read_text())
-    mine = pq.read_table(prior["score"][part[0]] / SCORES, columns=["score", "coherence"]).to_pylist()
-    judge = Judge(inputs["model"].dir)
+    mine = pq.read_table(prior["score"][part[0]] / SCORES, columns=["score", "coherence", "grammar"]).to_pylist()
+    rules = Rules(inputs["model"].dir)
     ledger = Ledger("quality", out)
     by_domain: dict[str, dict] = {}
     by_source: dict[str, Counter] = {}  # kept and dropped:<reason>, as the filter counts them (the waterfall)
@@ -132,10 +156,10 @@ def keep_part(cfg: QualityConfig, inputs: dict, prior: dict, out: Path, part: tu
             d["documents"] += 1
             d["histogram"][min(int(score * BINS), BINS - 1)] += 1
             counts = by_source.setdefault(row["source"], Counter())
-            if not judge.passes(scored["coherence"]):
-                ledger.add(row["id"], "dropped", "quality.incoherent", json.dumps(
-                    {"score": score, "coherence": scored["coherence"], "threshold": judge.threshold}))
-                counts["dropped:quality.incoherent"] += 1
+            failed = rules.failed(scored)
+            if failed:
+                ledger.add(row["id"], "dropped", failed[0], json.dumps({"score": score} | failed[1]))
+                counts[f"dropped:{failed[0]}"] += 1
             elif keeps(cfg, cuts, row["domain"], row["source"], row["id"], score):
                 ledger.add(row["id"], "kept", "", json.dumps({"score": score}))
                 writer.write(row)

@@ -6,6 +6,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pydantic
 import pytest
@@ -78,8 +79,12 @@ def positives(tmp_path):
 DCLM = configs.SyntheticNegatives(kinds=())  # positives against the corpus sample, as DCLM published it
 
 
+CLASSIFIER_ONLY = {"grammar": configs.Grammar(clean_loss=0)}  # the spam and reversed text is ungrammatical too
+
+
 def test_planted_junk_is_dropped_with_its_score(tmp_path, positives):
-    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5), synthetic_negatives=DCLM))
+    built = _run(tmp_path, QualityConfig(positives=positives, keep=KeepRule(threshold=0.5), synthetic_negatives=DCLM,
+                                         **CLASSIFIER_ONLY))
     stats = built["quality"].stats
     assert stats["documents_in"] == 42 and sum(stats["fates"][f] for f in ("kept", "dropped")) == 42
     rows = read_ledger(built["quality"].dir).to_pylist()
@@ -122,7 +127,7 @@ def test_degraded_text_of_any_domain_is_dropped_with_its_score(tmp_path, positiv
             w.write({"id": doc_id, "source": f"{domain}-src", "domain": domain, "path": "p", "text": text})
     keep = KeepRule(top_fraction=30 / 33)
     q = QualityConfig(positives=positives, train=configs.ClassifierTrain(epoch=30, lr=0.5, negatives_per_positive=2),
-                      overrides={"news": keep, "rail": keep})
+                      overrides={"news": keep, "rail": keep}, **CLASSIFIER_ONLY)
     built = _run(tmp_path, q, corpus=corpus)
     ledger = read_ledger(built["quality"].dir).to_pylist()
     dropped = {r["doc_id"]: json.loads(r["detail"]) for r in ledger if r["fate"] == "dropped"}
@@ -132,6 +137,10 @@ def test_degraded_text_of_any_domain_is_dropped_with_its_score(tmp_path, positiv
     assert all(r["reason"] == "quality.below_threshold" for r in ledger if r["fate"] == "dropped")
     held = built["model"].stats["heldout"]  # clean held-out text against its degraded versions
     assert held["roc_auc"] > 0.75 and held["negatives"] == held["positives"]  # patchwork of templates reads well
+    # the clean-loss quantiles: every sampled corpus document, scored by a model that never saw it (the held-out
+    # fifth by the classifier, the rest by models trained without their fold), not the held-out fifth alone
+    corpus = built["model"].stats["corpus"]
+    assert held["corpus_scored"] == corpus["documents"] == corpus["train"] + corpus["heldout"] == 60
 
 
 def test_roc_auc_counts_pairs_ordered_and_ties_half():
@@ -424,6 +433,9 @@ def test_dataset_card_names_the_classifier_that_selected_the_corpus(tmp_path, po
     assert said["heldout"].startswith(f"precision {held['precision']}, recall {held['recall']}, ROC AUC "
                                       f"{held['roc_auc']}")
     assert said["rule"] == '{"threshold": 0.5, "top_fraction": null}'
+    rule = built["model"].stats["grammar"]
+    assert said["grammar"] == (f"threshold {rule['threshold']}: zero, or the 0.005 quantile of {rule['documents']} "
+                               "corpus documents where lower")
     by_domain = built["quality"].stats["by_domain"]
     assert said["kept"] == ", ".join(f"{d} {v['kept']} of {v['documents']}" for d, v in by_domain.items())
     assert dataset._classifier(collect([built["model"].dir])) is None  # no quality stage: nothing selected
@@ -459,6 +471,75 @@ def test_a_document_that_turns_into_another_is_dropped_as_incoherent(tmp_path, p
     table = pq.read_table(built["quality"].dir / "scores.parquet").to_pylist()
     joined = [r["coherence"] for r in table if r["id"].startswith("joined")]
     assert max(joined) < min(r["coherence"] for r in table if r["id"].startswith("good"))
+
+
+SMALL = set("the near was in a about and that it had since on this is by before may for its".split())
+
+
+def _grammar_corpus(folder: Path, rng: random.Random) -> list[tuple[str, str]]:
+    """(id, text): 120 clean documents in two domains, then one with its small words stripped and one with its
+    words in random order planted in each (ids say which); written to `folder`, one source per domain."""
+    rows = []
+    for domain, words, template in (("news", WORDS, PROSE), ("rail", OTHER, RAIL)):
+        rows += [(f"{domain}-good{i:02d}", _prose(rng, 20, words, template)) for i in range(60)]
+        text = _prose(rng, 20, words, template).split()
+        rows.append((f"{domain}-stripped", " ".join(w for w in text if w.lower() not in SMALL)))
+        rows.append((f"{domain}-shuffled", " ".join(rng.sample(text, len(text)))))
+    folder.mkdir()
+    with DocWriter(folder) as w:
+        for doc_id, text in rows:
+            domain = doc_id.split("-")[0]
+            w.write({"id": doc_id, "source": f"{domain}-src", "domain": domain, "path": "p", "text": text})
+    return rows
+
+
+def test_text_without_its_grammar_is_dropped_as_ungrammatical(tmp_path, positives):
+    """Text with its small words stripped, or its words shuffled, keeps the vocabulary of clean text, so a bag of
+    n-grams misses what it lost; the grammar rule, calibrated on the corpus sample, drops it with its value and
+    the threshold, and about its `clean_loss` share of the clean documents at most."""
+    _grammar_corpus(tmp_path / "corpus", random.Random(4))
+    q = QualityConfig(positives=positives, keep=KeepRule(threshold=0.0), grammar=configs.Grammar(clean_loss=0.05),
+                      coherence=configs.Coherence(clean_loss=0),
+                      train=configs.ClassifierTrain(negatives_per_positive=5))  # the sample: the whole corpus
+    built = _run(tmp_path, q, corpus=tmp_path / "corpus")
+    rule = built["model"].stats["grammar"]
+    assert rule["documents"] == 124 and rule["clean_loss"] == 0.05 and {"the", "on"} <= set(rule["words"])
+    ledger = {r["doc_id"]: r for r in read_ledger(built["quality"].dir).to_pylist()}
+    for doc_id in ("news-stripped", "news-shuffled", "rail-stripped", "rail-shuffled"):
+        r = ledger[doc_id]
+        assert (r["fate"], r["reason"]) == ("dropped", "quality.ungrammatical"), r
+        detail = json.loads(r["detail"])
+        assert detail["grammar"] < detail["threshold"] == rule["threshold"] and "score" in detail
+    assert sum(r["fate"] == "dropped" for d, r in ledger.items() if "good" in d) <= 6  # 5% of 124
+    table = {r["id"]: r["grammar"] for r in pq.read_table(built["quality"].dir / "scores.parquet").to_pylist()}
+    assert max(v for d, v in table.items() if "good" not in d) < min(v for d, v in table.items() if "good" in d)
+
+
+def test_grammar_learns_its_common_words_from_the_corpus_in_any_language(tmp_path):
+    """No fixed word list: in a made-up language the sample's own most widespread words are the common words,
+    its documents score above zero and the same documents in random order or stripped of them below; the
+    threshold is zero, or the sample's `clean_loss` quantile where that is lower."""
+    from moeflow.quality import grammar
+
+    rng = random.Random(9)
+    nouns = [f"zor{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    sample = [" ".join(f"ka {rng.choice(nouns)} mi lu {rng.choice(nouns)} po" for _ in range(30)).split()
+              for _ in range(40)]
+    calibrated = grammar.calibrate(sample, configs.Grammar(clean_loss=0.1, top=4))
+    assert sorted(calibrated["words"]) == ["ka", "lu", "mi", "po"]
+    model = grammar.Model(calibrated["words"], calibrated["counts"])
+    values = sorted(model.value(ws) for ws in sample)
+    assert calibrated["threshold"] == 0.0 < values[0]  # zero: no more grammar than chance
+    assert all(model.value(rng.sample(ws, len(ws))) < 0 for ws in sample)
+    stripped = [w for w in sample[0] if w.startswith("zor")]  # its small words gone: nothing for grammar to see
+    grammar.write(tmp_path, calibrated)
+    judge = grammar.Judge(tmp_path)  # as the quality stage reads it from the model's folder
+    assert judge.value(stripped) == 0 and not judge.passes(judge.value(stripped)) and judge.passes(values[0])
+    # a sample whose documents read below zero often lowers the threshold to its quantile
+    mixed = sample + [rng.sample(ws, len(ws)) for ws in sample[:10]]
+    lowered = grammar.calibrate(mixed, configs.Grammar(clean_loss=0.1, top=4))
+    model = grammar.Model(lowered["words"], lowered["counts"])
+    assert lowered["threshold"] == round(float(np.quantile([model.value(ws) for ws in mixed], 0.1)), 6) < 0
 
 
 @pytest.fixture(scope="module")
