@@ -86,9 +86,11 @@ def _predicted_actual(what: str, predicted: float, band: list[float], actual: fl
 def _fit_text(p: dict) -> str:
     fit = p["fit"]
     if fit.get("kind") == "additive":
-        return ("Fit: held-out loss L(N, D) = g(N) + h(D), no power law assumed: the narrow rung's loss at the "
-                "target's steps, plus the target's shape's loss minus the narrow rung's at a few steps; band from "
-                f"{fit['bootstrap_fits']} resamples of the held-out rows (it leaves out how far a seed moves a run).")
+        return ("Additive fit of the held-out loss: the narrow rung's loss at the target's steps plus the gain of the "
+                "target's shape over it at a few steps kept whole (Chinchilla's separable L(N, D) = g(N) + h(D): "
+                f"{fit['separable']}) or washed out by the target's tokens ({fit['gain_washed_out']}); the "
+                "prediction is the middle, the band spans both, widened by "
+                f"{fit['bootstrap_fits']} resamples of the held-out rows.")
     return (f"Fit L(C) = E + A (C / C_target)^-alpha: E = {fit['E']:.4g}, A = {fit['A']:.4g}, alpha = "
             f"{fit['alpha']:.4g} (residual RMS {fit['residual_rms']:.4g}; band from {fit['bootstrap_fits']} "
             "bootstrap refits).")

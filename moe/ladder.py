@@ -1,9 +1,10 @@
 """Scaling ladder: small runs of the target's recipe, a fit, a pre-registered prediction.
 
 Two fits (`ladder.fit`). `compute` (below): every width's final training loss against FLOPs. `additive`: the
-held-out loss as L(N, D) = g(N) + h(D) (Chinchilla's form is one such), measured in three rungs: the first
-width at the target's steps, and the first width and the target's own shape at a few steps, as many as the
-budget leaves (`additive`).
+held-out loss from three rungs: the first width at the target's steps, and the first width and the target's
+own shape at a few steps, as many as the budget leaves; the target's shape's gain at the few steps is kept
+whole (Chinchilla's separable L(N, D) = g(N) + h(D)) at one end of the band, washed out at the other, and
+the prediction is the middle (`additive`).
 
 Rungs keep the target's recipe: the same mix (a prefix of its sequences), tokenizer, batch, sequence
 length and schedule shape, and the same MoE shape ratios (expert width / d_model, head width, experts,
@@ -271,27 +272,36 @@ def heldout_losses(rung_dirs: list[Path], mix_dir: Path, cap: int, where: str) -
 
 def additive(rows: list[dict], heldout: list[dict[str, np.ndarray]], model: ModelConfig, steps: int,
              bootstrap: int, seed: int) -> dict:
-    """L(N, D) = g(N) + h(D), as in Chinchilla's form but with no power law assumed: the target's loss is the
-    small rung's at the target's steps plus what the target's shape gains over the small one at a few steps.
-    On held-out losses (the mean over domains), with a 90% band from resampling each domain's held-out rows
-    (the same rows for every rung); on final training losses for the target run's live band."""
+    """The target's loss from the narrow rung's at the target's steps (`full`) and the gain of the target's shape
+    over the narrow one at the short steps (`big` - `small`). Chinchilla's separable form L(N, D) = g(N) + h(D)
+    keeps that gain whole at every token count (full + gain); a gain that more tokens wash out leaves `full`.
+    Three rungs cannot tell these apart, so the prediction is their midpoint, full + gain / 2 (the smallest
+    worst-case error over that range), and the band spans both ends, widened by resampling each domain's
+    held-out rows (the same rows for every rung): the 5th percentile of the lower end, the 95th of the upper.
+    On held-out losses (the mean over domains); on final training losses for the target run's live band."""
     full = next(i for i, r in enumerate(rows) if r["steps"] == steps)
     big = next(i for i, r in enumerate(rows) if (r["d_model"], r["n_layers"]) == (model.d_model, model.n_layers))
-    sign = {full: 1.0, big: 1.0} | {i: -1.0 for i in range(len(rows)) if i not in (full, big)}
+    small = next(i for i in range(len(rows)) if i not in (full, big))
 
-    def combine(values: list[float]) -> float:
-        return sum(sign[i] * values[i] for i in sign)
+    def ends(loss: list[float]) -> tuple[float, float]:
+        """(separable, gain washed out)."""
+        return loss[full] + loss[big] - loss[small], loss[full]
 
-    predicted = combine([_domains_mean(h) for h in heldout])
+    separable, washed = ends([_domains_mean(h) for h in heldout])
     rng = np.random.default_rng(seed)
-    preds = []
+    lows, highs = [], []
     for _ in range(bootstrap):
         pick = {d: rng.integers(0, len(v), len(v)) for d, v in heldout[0].items()}
-        preds.append(combine([_domains_mean({d: h[d][i] for d, i in pick.items()}) for h in heldout]))
-    lo, hi = np.percentile(preds, [5, 95]).tolist()
-    train = combine([r["final_loss"] for r in rows])
-    return {"predicted_heldout": predicted, "heldout_band": [lo, hi], "predicted": train,
-            "band": [train * lo / predicted, train * hi / predicted], "bootstrap_fits": len(preds)}
+        resampled = ends([_domains_mean({d: h[d][i] for d, i in pick.items()}) for h in heldout])
+        lows.append(min(resampled))
+        highs.append(max(resampled))
+    lo, hi = float(np.percentile(lows, 5)), float(np.percentile(highs, 95))
+    widen = (min(separable, washed) - lo, hi - max(separable, washed))
+    train = ends([r["final_loss"] for r in rows])
+    return {"predicted_heldout": (separable + washed) / 2, "heldout_band": [lo, hi],
+            "ends": {"separable": separable, "gain_washed_out": washed},
+            "predicted": sum(train) / 2, "band": [min(train) - widen[0], max(train) + widen[1]],
+            "bootstrap_fits": bootstrap}
 
 
 def _domains_mean(losses: dict[str, np.ndarray]) -> float:
@@ -319,7 +329,8 @@ def predict(
         for r, h in zip(rows, heldout or [], strict=True):
             r["heldout_loss"] = round(_domains_mean(h), 4)
         result = additive(rows, heldout, model, train.steps, lad.bootstrap, seed)
-        fitted = {"kind": "additive", "bootstrap_fits": result["bootstrap_fits"]}
+        fitted = {"kind": "additive", "bootstrap_fits": result["bootstrap_fits"],
+                  **{k: round(v, 4) for k, v in result["ends"].items()}}
         held = {"predicted_heldout_loss": round(result["predicted_heldout"], 4),
                 "heldout_band": [round(v, 4) for v in result["heldout_band"]]}
     else:

@@ -80,21 +80,26 @@ def test_the_additive_plan_spends_what_its_narrow_full_rung_leaves_on_two_short_
         LadderConfig(widths=(32,))
 
 
-def _separable(d_model: int, steps: int, rows: int, rng) -> np.ndarray:
-    """Held-out row losses of a known L(N, D) = g(N) + h(D), with row-to-row noise."""
-    return 2.0 + 40.0 / d_model + 30.0 / steps ** 0.5 + rng.normal(0, 0.05, rows)
+def _law(d_model: int, steps: int, rows: int, rng, washes: bool) -> np.ndarray:
+    """Held-out row losses of a known L(N, D): separable (a width's gain the same at every D), or with the gain
+    washed out at 300 steps; row-to-row noise."""
+    gain = 40.0 / d_model * (max(0.0, 1 - steps / 300) if washes else 1.0)
+    return 2.0 + gain + 30.0 / steps ** 0.5 + rng.normal(0, 0.05, rows)
 
 
-def test_the_additive_fit_recovers_a_separable_law():
+@pytest.mark.parametrize("washes", [False, True])
+def test_the_additive_band_holds_a_separable_law_and_one_whose_gain_washes_out(washes):
     rng = np.random.default_rng(0)
     shapes = [(32, 1, 30), (128, 2, 30), (32, 1, 300)]
     rows = [{"d_model": d, "n_layers": n, "steps": t, "final_loss": 5.0} for d, n, t in shapes]
-    held = [{dom: _separable(d, t, 64, rng) for dom in ("a", "b")} for d, _, t in shapes]
+    held = [{dom: _law(d, t, 64, rng, washes) for dom in ("a", "b")} for d, _, t in shapes]
     fit = ladder.additive(rows, held, configs.ModelConfig(d_model=128, n_layers=2), 300, bootstrap=200, seed=0)
-    truth = 2.0 + 40.0 / 128 + 30.0 / 300 ** 0.5
-    assert fit["predicted_heldout"] == pytest.approx(truth, abs=0.03)
+    truth = 2.0 + (0.0 if washes else 40.0 / 128) + 30.0 / 300 ** 0.5
+    end = fit["ends"]["gain_washed_out" if washes else "separable"]
+    assert end == pytest.approx(truth, abs=0.03)
     lo, hi = fit["heldout_band"]
-    assert lo < fit["predicted_heldout"] < hi and hi - lo < 0.1
+    assert lo < truth < hi and lo < fit["predicted_heldout"] < hi
+    assert fit["predicted_heldout"] == pytest.approx(sum(fit["ends"].values()) / 2)
     assert fit["predicted"] == pytest.approx(5.0) and fit["band"][0] < 5.0 < fit["band"][1]
 
 
@@ -120,13 +125,14 @@ def test_an_additive_prediction_is_registered_and_carded_against_the_held_out_lo
     p = ladder.predict(LadderConfig(fit="additive", widths=(32,)), model, train, [], seed=0, rung_dirs=dirs,
                        vocab=100, out=out, heldout=held)
     assert p == json.loads((out / "prediction.json").read_text())
-    assert p["predicted_heldout_loss"] == pytest.approx(5.1) and p["heldout_band"] == [5.1, 5.1]
+    # separable: 5.6 + 6.1 - 6.6 = 5.1; the gain washed out: 5.6
+    assert p["predicted_heldout_loss"] == pytest.approx(5.35) and p["heldout_band"] == [5.1, 5.6]
     assert [r["heldout_loss"] for r in p["rungs"]] == [6.6, 6.1, 5.6]
     ev = {"stats": {"heldout": {"a": {"loss": 5.0}, "b": {"loss": 5.4}}}}
     card = training.ladder({"stats": p, "artifact": {"hash": "h"}}, {"tail_loss": p["predicted_final_loss"]}, ev)
-    assert "| held-out loss (mean over domains) | 5.1 (5.1 to 5.1) | 5.2000 (outside the band) | +1.92% |" in (
+    assert "| held-out loss (mean over domains) | 5.35 (5.1 to 5.6) | 5.2000 (inside the band) | -2.88% |" in (
         card["prediction_table"])
-    assert "g(N) + h(D)" in card["fit_text"]
+    assert "g(N) + h(D): 5.1) or washed out by the target's tokens (5.6)" in card["fit_text"]
 
 
 def test_band_follows_the_ladder_curves(tmp_path):
