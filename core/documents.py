@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moeflow.core import faults
+from moeflow.core import columns, faults
 from moeflow.core import ledger as ledgers
 
 DOCS = "docs.parquet"
@@ -65,7 +65,7 @@ class DocWriter:
 
     def _flush(self) -> None:
         if self._buf["id"]:
-            self._writer.write_table(pa.table(self._buf, schema=SCHEMA))
+            self._writer.write_table(columns.table(self._buf, SCHEMA))
             self._buf = {name: [] for name in SCHEMA.names}
 
     def close(self) -> None:
