@@ -510,3 +510,31 @@ def test_string_columns_are_what_pa_array_makes():
             strings(["ok", "\ud800"], kind)
     with pytest.raises(TypeError, match="got a int"):
         strings(["ok", 3], pa.string())
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_shards_write_their_documents_uncompressed_and_the_join_compresses_them(tmp_path, shards):
+    """Only the join reads a shard's documents file, once: the shard writes it uncompressed and the join
+    writes the zstd file (one shard's file is rewritten, not copied), the same bytes for any shard count."""
+    import pyarrow.parquet as pq
+
+    from helpers import stage_config
+    from moeflow.tasks.runner import materialize
+
+    def compression(folder):
+        meta = pq.ParquetFile(folder / "docs.parquet").metadata
+        return {meta.row_group(g).column(c).compression for g in range(meta.num_row_groups)
+                for c in range(meta.num_columns)}
+
+    (tmp_path / "in").mkdir()
+    for f in "abc":  # a file a shard
+        (tmp_path / "in" / f"{f}.jsonl").write_text("".join(json.dumps({"text": f"{GOOD} {f}{i}"}) + "\n"
+                                                            for i in range(3)))
+    joined = {}
+    for n in sorted({1, shards}):
+        made = materialize("ingest", stage_config(tmp_path / f"store{n}", n, sources=(_source(tmp_path),)), {})
+        parts = sorted((tmp_path / f"store{n}" / "ingest.shard").glob("ingest.shard-*"))
+        assert len(parts) == n and all(compression(p) == {"UNCOMPRESSED"} for p in parts)
+        assert compression(made.dir) == {"ZSTD"}
+        joined[n] = (made.dir / "docs.parquet").read_bytes()
+    assert joined[shards] == joined[1]
