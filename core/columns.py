@@ -10,9 +10,10 @@ import pyarrow as pa
 _OFFSETS = {pa.string(): np.int32, pa.large_string(): np.int64}
 
 
-def strings(values: list[str | None], kind: pa.DataType) -> pa.Array:
-    """What `pa.array(values, kind)` makes of a list of str and None (`kind`: string or large_string); a str
-    that is not valid Unicode (a lone surrogate) raises UnicodeEncodeError, as it fails `pa.array`."""
+def strings(values: list[str | bytes | None], kind: pa.DataType) -> pa.Array:
+    """What `pa.array(values, kind)` makes of a list of str and None (`kind`: string or large_string), a str
+    also given as its UTF-8 bytes; a str that is not valid Unicode (a lone surrogate) raises
+    UnicodeEncodeError, as it fails `pa.array`."""
     data = [_utf8(v) for v in values]
     offsets = np.zeros(len(data) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, data), np.int64, len(data)), out=offsets[1:])
@@ -26,9 +27,13 @@ def strings(values: list[str | None], kind: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(kind, len(values), buffers, null_count=nulls)
 
 
-def _utf8(value: str | None) -> bytes:
+def _utf8(value: str | bytes | None) -> bytes:
+    """A value's UTF-8; bytes are taken as a str's UTF-8 already (ingest encodes each text once, for its
+    size and its column), not checked again."""
     if value is None:
         return b""
+    if type(value) is bytes:
+        return value
     if type(value) is not str:
         raise TypeError(f"a string column got a {type(value).__name__} ({value!r:.80})")
     return value.encode("utf-8")

@@ -538,3 +538,19 @@ def test_shards_write_their_documents_uncompressed_and_the_join_compresses_them(
         assert compression(made.dir) == {"ZSTD"}
         joined[n] = (made.dir / "docs.parquet").read_bytes()
     assert joined[shards] == joined[1]
+
+
+def test_a_documents_file_is_the_same_whether_its_texts_come_as_str_or_utf8_bytes(tmp_path):
+    """Ingest encodes each text once, for its size and for its column, and hands `DocWriter` the bytes: the
+    file is byte for byte the one the str makes, and reads back as the str."""
+    from moeflow.core.documents import DOCS, DocWriter
+
+    texts = ["é ✓ \U0001f600 " * 50, GOOD, "x"]
+    docs = [{"id": f"d{i}", "source": "s", "domain": "web", "path": "p", "text": t} for i, t in enumerate(texts)]
+    for form in ("str", "bytes"):
+        (tmp_path / form).mkdir()
+        with DocWriter(tmp_path / form, rows_per_group=2) as w:
+            for d in docs:
+                w.write({**d, "text": d["text"].encode()} if form == "bytes" else d)
+    assert (tmp_path / "bytes" / DOCS).read_bytes() == (tmp_path / "str" / DOCS).read_bytes()
+    assert [d["text"] for d in iter_docs(tmp_path / "bytes")] == texts
