@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moeflow.core import faults
+from moeflow.core import columns, faults
 from moeflow.core import ledger as ledgers
 
 DOCS = "docs.parquet"
@@ -33,14 +33,15 @@ LABELS = ["id", "source", "domain", "path"]
 
 
 class DocWriter:
-    """Writes documents in row groups, so a stage never holds the whole corpus twice."""
+    """Writes documents in row groups, so a stage never holds the whole corpus twice (`compression`: other
+    than zstd only for a part that its join rewrites, see `join`)."""
 
-    def __init__(self, folder: Path, rows_per_group: int = 512):
+    def __init__(self, folder: Path, rows_per_group: int = 512, compression: str = "zstd"):
         self.path = Path(folder) / DOCS
         self.rows_per_group = rows_per_group
         self.count = 0
         self._buf: dict[str, list] = {name: [] for name in SCHEMA.names}  # by column: no per-row conversion
-        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd", use_dictionary=LABELS,
+        self._writer = pq.ParquetWriter(self.path, SCHEMA, compression=compression, use_dictionary=LABELS,
                                         write_statistics=LABELS)
         self._rows: pa.Table | None = None  # rows that came in Arrow (`write_table`), not yet a full group
 
@@ -65,7 +66,7 @@ class DocWriter:
 
     def _flush(self) -> None:
         if self._buf["id"]:
-            self._writer.write_table(pa.table(self._buf, schema=SCHEMA))
+            self._writer.write_table(columns.table(self._buf, SCHEMA))
             self._buf = {name: [] for name in SCHEMA.names}
 
     def close(self) -> None:
@@ -114,16 +115,17 @@ def count_docs(folder: Path, shard: tuple[int, int] = (0, 1)) -> int:
     return len(shard_rows(pq.ParquetFile(Path(folder) / DOCS).metadata.num_rows, shard))
 
 
-def join(parts: list[Path], out: Path, stage: str) -> dict:
+def join(parts: list[Path], out: Path, stage: str, copy: bool = True) -> dict:
     """Join record shards' documents and ledgers in rank order into `out`, a row group at a time (one
-    shard's files are copied: the same bytes), and check that they account for every document."""
+    shard's files are copied, unless `copy` is False: parts written otherwise than `DocWriter`'s default, as
+    ingest's are), and check that they account for every document."""
     stats = {"documents_in": 0, "documents_out": 0, "fates": Counter()}
     for part in parts:
         s = json.loads((Path(part) / "manifest.json").read_text())["stats"]
         stats["documents_in"] += s["documents_in"]
         stats["documents_out"] += s["documents_out"]
         stats["fates"].update(s["fates"])
-    if len(parts) == 1:
+    if len(parts) == 1 and copy:
         for name in (DOCS, ledgers.LEDGER):
             shutil.copyfile(Path(parts[0]) / name, Path(out) / name)
         n_out, n_ledger = count_docs(out), pq.ParquetFile(Path(out) / ledgers.LEDGER).metadata.num_rows

@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from moeflow.core import columns
+
 FATES = ("kept", "dropped", "duplicate", "contaminated", "quarantined")
 LEDGER = "ledger.parquet"
 ROWS_PER_GROUP = 65_536  # fixed, so a ledger joined from any number of shards has the same bytes
@@ -61,7 +63,7 @@ class Ledger:
             self.writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
         ids = self.rows["doc_id"]
         if ids or not self.hashes:  # an empty ledger: one empty group
-            self.writer.write_table(pa.table(self.rows, schema=SCHEMA), row_group_size=ROWS_PER_GROUP)
+            self.writer.write_table(columns.table(self.rows, SCHEMA), row_group_size=ROWS_PER_GROUP)
         self.hashes.append(np.fromiter(map(xxhash.xxh3_64_intdigest, ids), np.uint64, len(ids)))
         self.rows = {name: [] for name in SCHEMA.names}
 
@@ -124,7 +126,7 @@ def _hashes(table: pa.Table) -> np.ndarray:
 
 def id_hashes(folder: Path) -> np.ndarray:
     """The 64-bit hashes of a ledger's ids, in its order."""
-    return _hashes(pq.read_table(Path(folder) / LEDGER, columns=["doc_id"]))
+    return _hashes(read(folder, ["doc_id"]))
 
 
 def repeated(hashes: list[np.ndarray]) -> set[int]:
@@ -147,5 +149,7 @@ def _unique(hashes: list[np.ndarray], folders: list[Path], message: str) -> int:
     return sum(h.size for h in hashes)
 
 
-def read(folder: Path) -> pa.Table:
-    return pq.read_table(Path(folder) / LEDGER)
+def read(folder: Path, columns: list[str] | None = None) -> pa.Table:
+    """A stage's ledger (`ParquetFile`, not `pq.read_table`: that goes through `pyarrow.dataset`, which
+    imports pandas; see `columns`)."""
+    return pq.ParquetFile(Path(folder) / LEDGER).read(columns=columns)

@@ -10,8 +10,13 @@ Library versions that shape a stage's output are taken from the installed distri
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.metadata
+import json
+import os
+import sys
+import threading
 from pathlib import Path
 
 import xxhash
@@ -51,8 +56,9 @@ def _is_module(module: str) -> bool:
     return base.with_suffix(".py").is_file() or base.is_dir()
 
 
-def _imports(module: str, tree: ast.AST) -> set[str]:
-    """The moeflow modules a module's tree imports (their parent packages included)."""
+def _imported(module: str, tree: ast.AST) -> list[str]:
+    """Every name a module's tree imports, relative ones made absolute, and `x.y` for each `from x import y`
+    (a module or an attribute: `_moeflow_modules` tells)."""
     path = module_file(module)
     here = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -65,9 +71,14 @@ def _imports(module: str, tree: ast.AST) -> set[str]:
                 anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}"))
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return sorted(found)
+
+
+def _moeflow_modules(names: list[str]) -> set[str]:
+    """The moeflow modules among imported `names`, with their parent packages."""
     out = set()
-    for name in found:
+    for name in names:
         if name == PACKAGE or name.startswith(PACKAGE + "."):
             parts = name.split(".")
             out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
@@ -90,10 +101,58 @@ def _parsed(module: str) -> tuple[str, frozenset[str]]:
     path = module_file(module)
     if path is None:
         return "", frozenset()
-    tree = ast.parse(path.read_text(), filename=str(path))
-    imports = frozenset(_imports(module, tree))
-    dump = ast.dump(_strip_docstrings(tree), annotate_fields=False, include_attributes=False)
-    return xxhash.xxh3_64_hexdigest(dump.encode()), imports
+    source = path.read_bytes()
+    key = [path.relative_to(PACKAGE_ROOT).as_posix(), xxhash.xxh3_64_hexdigest(source)]
+    known = _known()
+    if known.get(module, [None, None])[:2] != key:
+        tree = ast.parse(source, filename=str(path))
+        names = _imported(module, tree)
+        dump = ast.dump(_strip_docstrings(tree), annotate_fields=False, include_attributes=False)
+        known[module] = [*key, xxhash.xxh3_64_hexdigest(dump.encode()), names]
+        _changed.add(module)
+    return known[module][2], frozenset(_moeflow_modules(known[module][3]))
+
+
+# `_parsed`'s results are kept across processes: every fresh worker parsed the ~30 modules a data stage
+# reaches before its first part (0.1-0.25 s). The file sits in the package's `__pycache__`, beside Python's
+# own compiled modules, named by this file's bytes (the normalisation) and the Python version (the trees'
+# shape); an entry holds its module's path and source hash and is used only while both match, so it is
+# what parsing the module would give. Not writable (an installed package): parsed as before.
+_changed: set[str] = set()
+_lock = threading.Lock()
+
+
+@functools.cache
+def _known() -> dict[str, list]:
+    """The entries of the file: module -> [path, source hash, normalised hash, imported names]."""
+    try:
+        data = json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if _entry(v)} if isinstance(data, dict) else {}
+
+
+def _entry(v) -> bool:
+    return (isinstance(v, list) and len(v) == 4 and all(isinstance(x, str) for x in v[:3])
+            and isinstance(v[3], list) and all(isinstance(x, str) for x in v[3]))
+
+
+def _cache_file() -> Path:
+    tag = xxhash.xxh3_64_hexdigest(Path(__file__).read_bytes() + sys.version.encode())
+    return PACKAGE_ROOT / "__pycache__" / f"code-hashes.{tag}.json"
+
+
+def _save() -> None:
+    """Write the parsed modules' entries (with the others the file held) in place of the file, atomically."""
+    if not _changed:
+        return
+    path = _cache_file()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(_known(), sort_keys=True))
+        os.replace(tmp, path)
+        _changed.clear()
 
 
 @functools.cache
@@ -101,13 +160,15 @@ def closure(module: str) -> dict[str, str]:
     """Every moeflow module `module` reaches by import, itself included -> its normalised hash."""
     seen: dict[str, str] = {}
     todo = [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        digest, imports = _parsed(name)
-        seen[name] = digest
-        todo += sorted(imports - set(seen) - UNKEYED)
+    with _lock:  # threads of one process share the entries (`_known`)
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            digest, imports = _parsed(name)
+            seen[name] = digest
+            todo += sorted(imports - set(seen) - UNKEYED)
+        _save()
     return {k: seen[k] for k in sorted(seen) if seen[k]}
 
 

@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,15 +171,14 @@ class Store:
         final = self.folder(stage, key)
         manifest = seal(stage, key, tmp, stats, lineage, str(final))
         faults.at("publish")  # `make chaos`: sealed in staging, not yet renamed into place
+        old = None
         if final.exists():  # a rerun replaces the old artifact; move it aside first so the swap is atomic
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
         _fsync_dir(final.parent)
+        if old is not None:
+            _discard(old)
         return manifest
 
     def runs(self) -> list[dict]:
@@ -211,6 +212,16 @@ def seal(stage: str, key: str, tmp: Path, stats: dict, lineage: dict, path: str)
     _write_synced(tmp / LINEAGE, json.dumps(lineage, indent=2, sort_keys=True, default=str))
     _write_synced(tmp / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True, default=str))
     return manifest
+
+
+def _discard(folder: Path) -> None:
+    """Delete a replaced artifact's folder on a thread of its own: a forced rerun's commit returns without
+    waiting for its files' unlinking (0.1-0.2 s for the 17 artifacts of a 16-shard ingest on a busy disk).
+    The folder is out of every reader's way already (a unique `.old` name); the thread is not a daemon, so
+    the process waits for it when it exits, and one it never finished (the process killed) is stale to
+    `moeflow gc` (`gc.stale`: `.*.old`)."""
+    threading.Thread(target=shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                     name=f"discard {folder.name}").start()
 
 
 def _write_synced(path: Path, text: str) -> None:

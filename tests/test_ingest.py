@@ -463,3 +463,94 @@ def test_parts_of_a_sharded_stage_record_no_previous_artifact(tmp_path):
     parts = sorted((tmp_path / "store" / "ingest.shard").glob("ingest.shard-*/lineage.json"))
     assert len(parts) == 3 and all(json.loads(p.read_text())["previous"] is None for p in parts)
     assert again.lineage()["previous"]["artifact"] == f"ingest-{first.hash}"
+
+
+def test_a_worker_running_ingest_imports_no_pandas(tmp_path):
+    """A fresh process running ingest's parts and join never imports pandas (0.4 s and ~50 MB a worker):
+    pyarrow imports it to ask whether a Python list is a pandas object (`pa.array`, `pa.table`) and when
+    `pq.read_table` loads `pyarrow.dataset`; `core.columns` and `ParquetFile` go around both."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "in").mkdir()
+    lines = [json.dumps({"text": f"{GOOD} {i}", "id": f"d{i % 7}"}) for i in range(20)] + ["{oops", '"a"']
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "out").mkdir()
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from helpers import run_ingest
+from moeflow.configs import SourceConfig
+assert "pandas" not in sys.modules, "imported before ingest ran"
+src = SourceConfig(name="u", path={str(tmp_path / "in" / "*.jsonl")!r}, format="jsonl", domain="web",
+                   license="cc0", id_field="id")
+stats = run_ingest([src], Path({str(tmp_path / "out")!r}), shards=3)
+print(stats["documents_in"], stats["documents_out"], "pandas" in sys.modules)
+"""
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert got.stdout.split() == ["22", "7", "False"], got.stdout + got.stderr[-3000:]
+
+
+def test_string_columns_are_what_pa_array_makes():
+    """`core.columns.strings` (built from buffers, without pandas) makes the array `pa.array` makes: nulls,
+    empty strings, non-ASCII text, either offset width; a lone surrogate fails as it fails `pa.array`."""
+    import pyarrow as pa
+
+    from moeflow.core.columns import strings
+
+    values = ["a", None, "", "é ✓ \U0001f600", "x" * 70_000, None, "\x01 tab\t"]
+    for kind in (pa.string(), pa.large_string()):
+        for sample in (values, [], [None], ["only"]):
+            made = strings(sample, kind)
+            made.validate(full=True)
+            assert made.equals(pa.array(sample, kind)) and made.type == kind and made.null_count == sample.count(None)
+        with pytest.raises(UnicodeEncodeError):
+            strings(["ok", "\ud800"], kind)
+    with pytest.raises(TypeError, match="got a int"):
+        strings(["ok", 3], pa.string())
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_shards_write_their_documents_uncompressed_and_the_join_compresses_them(tmp_path, shards):
+    """Only the join reads a shard's documents file, once: the shard writes it uncompressed and the join
+    writes the zstd file (one shard's file is rewritten, not copied), the same bytes for any shard count."""
+    import pyarrow.parquet as pq
+
+    from helpers import stage_config
+    from moeflow.tasks.runner import materialize
+
+    def compression(folder):
+        meta = pq.ParquetFile(folder / "docs.parquet").metadata
+        return {meta.row_group(g).column(c).compression for g in range(meta.num_row_groups)
+                for c in range(meta.num_columns)}
+
+    (tmp_path / "in").mkdir()
+    for f in "abc":  # a file a shard
+        (tmp_path / "in" / f"{f}.jsonl").write_text("".join(json.dumps({"text": f"{GOOD} {f}{i}"}) + "\n"
+                                                            for i in range(3)))
+    joined = {}
+    for n in sorted({1, shards}):
+        made = materialize("ingest", stage_config(tmp_path / f"store{n}", n, sources=(_source(tmp_path),)), {})
+        parts = sorted((tmp_path / f"store{n}" / "ingest.shard").glob("ingest.shard-*"))
+        assert len(parts) == n and all(compression(p) == {"UNCOMPRESSED"} for p in parts)
+        assert compression(made.dir) == {"ZSTD"}
+        joined[n] = (made.dir / "docs.parquet").read_bytes()
+    assert joined[shards] == joined[1]
+
+
+def test_a_documents_file_is_the_same_whether_its_texts_come_as_str_or_utf8_bytes(tmp_path):
+    """Ingest encodes each text once, for its size and for its column, and hands `DocWriter` the bytes: the
+    file is byte for byte the one the str makes, and reads back as the str."""
+    from moeflow.core.documents import DOCS, DocWriter
+
+    texts = ["é ✓ \U0001f600 " * 50, GOOD, "x"]
+    docs = [{"id": f"d{i}", "source": "s", "domain": "web", "path": "p", "text": t} for i, t in enumerate(texts)]
+    for form in ("str", "bytes"):
+        (tmp_path / form).mkdir()
+        with DocWriter(tmp_path / form, rows_per_group=2) as w:
+            for d in docs:
+                w.write({**d, "text": d["text"].encode()} if form == "bytes" else d)
+    assert (tmp_path / "bytes" / DOCS).read_bytes() == (tmp_path / "str" / DOCS).read_bytes()
+    assert [d["text"] for d in iter_docs(tmp_path / "bytes")] == texts

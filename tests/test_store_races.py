@@ -234,6 +234,36 @@ def test_a_local_reader_of_an_artifact_a_rerun_replaced_is_told_so(tmp_path):
         made[0].verify()
     made[1].verify()
 
+def test_a_forced_rerun_commits_without_waiting_for_the_old_folder_to_be_deleted(tmp_path, monkeypatch):
+    """A local rerun's commit swaps the new folder in and returns; the replaced one (renamed out of every
+    reader's way) is deleted on a thread of its own, and until it is gone `moeflow gc` counts it stale."""
+    import shutil
+
+    from moeflow.store import gc
+
+    store = Store(tmp_path / "store")
+    release, real = threading.Event(), shutil.rmtree
+
+    def held(path, *args, **kwargs):  # deleting a replaced folder waits for the test
+        if str(path).endswith(".old"):
+            assert release.wait(5), "the commit waited for the replaced folder's deletion"
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held)
+    made = []
+    for seed in (1, 2):
+        tmp = store.staging("mix")
+        _write(tmp, 2, 100, seed)
+        made.append(store.commit("mix", "k", tmp, {}, {"stage": "mix"}))
+    assert Manifest.read(store.folder("mix", "k")).content_hash == made[1].content_hash
+    (old,) = gc.stale(store.root)
+    assert old.name.startswith(".mix-k.") and (old / "manifest.json").exists()
+    release.set()
+    for t in [t for t in threading.enumerate() if t.name.startswith("discard ")]:
+        t.join(10)
+    assert not old.exists() and not gc.stale(store.root)
+
+
 def test_a_run_record_is_read_back_from_the_store_by_a_process_without_a_mirror(s3, tmp_path):
     """`moeflow up` with an object store and `MOEFLOW_STORE_CACHE=none`: the worker's process records the run
     (its scratch mirror goes when it exits), then the CLI's process reads the record back, as `up` does."""
