@@ -214,6 +214,7 @@ def run_stage(stage: str, store: Path, shards: int, workers: int, inputs: dict[s
 
 def bare(kind: str, docs: Path, work: Path) -> dict:
     """The bare library doing the stage's work, in this process; start-up is not timed."""
+    import pandas  # noqa: F401  (start-up, untimed: pyarrow imports it on datatrove's first write; moeflow's workers never do)
     import pyarrow.parquet as pq
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup import minhash as dtm
