@@ -28,7 +28,7 @@ from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run
 
 from moeflow import configs
 
-SMOKE_LADDER = {"widths": [16, 32, 48], "budget_fraction": 0.25, "min_steps": 5}
+SMOKE_LADDER = {"fit": "additive", "widths": [16], "layers": [1], "budget_fraction": 0.3, "min_steps": 3}
 
 
 def run_once(preset: str, seed: int, store: str | None, work: Path) -> dict:

@@ -169,7 +169,7 @@ class LadderConfig(Frozen):
     widths: tuple[int, ...] = Field(default=(32, 64, 96), min_length=1)  # d_model of each rung (x head width)
     layers: tuple[int, ...] | None = None  # n_layers of each rung; default: the target's
     budget_fraction: float = Field(default=0.1, gt=0, le=1)  # ladder FLOPs / target FLOPs
-    min_steps: int = Field(default=20, ge=5)  # a rung trains at least this long, whatever the budget
+    min_steps: int = Field(default=20, ge=3)  # a rung trains at least this long, whatever the budget
     bootstrap: int = Field(default=200, ge=10)  # resamples of the rungs for the prediction's band
     # extra relative width of the target run's band: in the train stage's key, not the ladder's (its fit
     # does not use it)
