@@ -193,7 +193,7 @@ def test_a_run_trained_with_document_mask_is_evaluated_with_it(mix_dir, tmp_path
 def test_an_untied_head_is_its_own_matrix_in_training_scoring_and_flops():
     """`tie_embeddings: false` gives the LM head its own matrix: logits and evaluation's scoring use it, it is
     decayed as a matrix, and the FLOPs estimate counts the head's matmul once (as the tied head's)."""
-    from moeflow.moe.evaluate import loglikelihoods
+    from moeflow.moe.evaluate import _hidden, loglikelihoods
     from moeflow.moe.optim import decays
 
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def test_an_untied_head_is_its_own_matrix_in_training_scoring_and_flops():
     tokens = torch.randint(0, 50, (1, 9))
     with torch.no_grad():
         logits, _ = untied(tokens)
-        torch.testing.assert_close(logits, untied.norm(_hidden_of(untied, tokens)) @ untied.head.weight.T)
+        torch.testing.assert_close(logits, _hidden(untied, tokens) @ untied.head.weight.T)
         assert not torch.allclose(logits, tied(tokens)[0])
         lp = torch.log_softmax(logits[0].double(), -1)
     ctx, cont = tokens[0, :5].tolist(), tokens[0, 5:].tolist()
@@ -217,9 +217,3 @@ def test_an_untied_head_is_its_own_matrix_in_training_scoring_and_flops():
     assert untied.flops_per_token(16) == tied.flops_per_token(16)
     assert untied.num_params()["active"] == tied.num_params()["active"] + 50 * MOE.d_model
 
-
-def _hidden_of(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    x = model.embed(tokens)
-    for block in model.blocks:
-        x, _ = block(x, *model.attention_inputs(tokens))
-    return x
