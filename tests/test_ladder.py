@@ -29,7 +29,7 @@ def test_fit_recovers_known_parameters(e, a, alpha):
 
 def test_rungs_keep_the_recipe_and_the_budget():
     cfg = configs.load("tiny").model_copy(
-        update={"ladder": LadderConfig(widths=(32, 64, 96), budget_fraction=0.5, min_steps=5)}
+        update={"ladder": LadderConfig(fit="compute", widths=(32, 64, 96), budget_fraction=0.5, min_steps=5)}
     )
     rungs = ladder.plan(cfg, vocab=8192)
     target, _ = ladder.flops(cfg.model, cfg.train, 8192, [(p.steps, p.seq_len) for p in cfg.phases()])
@@ -42,12 +42,12 @@ def test_rungs_keep_the_recipe_and_the_budget():
         assert (r["train"].batch_size, r["train"].seq_len, r["train"].schedule) == (16, 128, "wsd")
     assert 0.45 * target <= sum(r["flops"] for r in rungs) <= 0.5 * target
     with pytest.raises(ValueError, match="head width"):
-        ladder.plan(cfg.model_copy(update={"ladder": LadderConfig(widths=(40, 64, 96))}), vocab=8192)
+        ladder.plan(cfg.model_copy(update={"ladder": LadderConfig(fit="compute", widths=(40, 64, 96))}), vocab=8192)
 
 
 def test_rungs_stay_within_the_budget_that_min_steps_pushes_on():
     tiny = configs.load("tiny").model_copy(update={"ladder": LadderConfig(  # tiny's compute ladder before 2026-12
-        widths=(32, 64, 64, 96, 96), layers=(1, 1, 2, 1, 2), budget_fraction=0.25, min_steps=20)})
+        fit="compute", widths=(32, 64, 64, 96, 96), layers=(1, 1, 2, 1, 2), budget_fraction=0.25, min_steps=20)})
     target, _ = ladder.flops(tiny.model, tiny.train, 8192, [(p.steps, p.seq_len) for p in tiny.phases()])
     rungs = ladder.plan(tiny, vocab=8192)  # its narrowest rung sits at min_steps
     assert rungs[0]["train"].steps == tiny.ladder.min_steps
@@ -77,7 +77,9 @@ def test_the_additive_plan_spends_what_its_narrow_full_rung_leaves_on_two_short_
     with pytest.raises(configs.ConfigError, match="the target's own shape"):
         ladder.plan(tiny.model_copy(update={"ladder": LadderConfig(fit="additive", widths=(128,))}), vocab=8192)
     with pytest.raises(ValueError, match="at least 3 widths"):
-        LadderConfig(widths=(32,))
+        LadderConfig(fit="compute", widths=(32,))
+    default = ladder.plan(tiny.model_copy(update={"ladder": LadderConfig()}), vocab=8192)  # `ladder: {}`
+    assert [(r["model"].d_model, r["train"].steps) for r in default] == [(32, 27), (128, 27), (32, 300)]
 
 
 def _law(d_model: int, steps: int, rows: int, rng, washes: bool) -> np.ndarray:
