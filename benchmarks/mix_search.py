@@ -1,6 +1,9 @@
 """The mixture search against the declared and a uniform mix: the same target trained on each, per seed.
 
-Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies 8] [--store DIR]`.
+Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies 8] [--store DIR]
+[--mixes W,W,W ...]`. With `--mixes` (weights in the order of the preset's `mix.weights`), no search runs: the
+target trains on each given mix instead (every phase tilted as the search's chosen mix would be), the ground
+truth a search is judged against.
 
 Per seed, three `moeflow run CONFIG --until evaluate` runs of the preset (its ladder off: it does not change the
 target) with `seed` replaced: with `mix.search` (the target trains on the searched mix), on the declared weights,
@@ -24,6 +27,7 @@ import yaml
 from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run from benchmarks/)
 
 from moeflow import configs
+from moeflow.configs.data import tilt
 
 
 def run_config(data: dict, name: str, work: Path) -> dict:
@@ -37,6 +41,27 @@ def uniform(mix: dict) -> dict:
     even = {d: 1 / len(domains) for d in domains}
     phases = [{**p, "weights": even} if p.get("weights") else p for p in mix.get("phases", [])]
     return {**mix, "weights": even, "phases": phases}
+
+
+def tilted(mix: dict, weights: list[float]) -> dict:
+    """The preset's mix on `weights` (in its domains' order), each phase tilted as `MixConfig.tilted` does."""
+    new = dict(zip(mix["weights"], weights, strict=True))
+    phases = [{**p, "weights": tilt(p["weights"], mix["weights"], new)} if p.get("weights") else p
+              for p in mix.get("phases", [])]
+    return {**mix, "weights": new, "phases": phases}
+
+
+def grid(base: dict, seed: int, mixes: list[list[float]], work: Path) -> list[dict]:
+    """The target on each of `mixes` at `seed`: each one's held-out loss per domain and their mean."""
+    out = []
+    for w in mixes:
+        lin = run_config({**base, "seed": seed, "ladder": None, "mix": tilted(base["mix"], w)},
+                         f"grid-{seed}-{'_'.join(map(str, w))}", work)
+        heldout = {d: r["loss"] for d, r in lin["evaluate"]["stats"]["heldout"].items()}
+        out.append({"seed": seed, "weights": dict(zip(base["mix"]["weights"], w)), "heldout": heldout,
+                    "objective": round(sum(heldout.values()) / len(heldout), 4)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def one_seed(base: dict, seed: int, proxies: int, work: Path) -> dict:
@@ -62,12 +87,18 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     p.add_argument("--proxies", type=int, default=8)
     p.add_argument("--store", default=None, help="artifact store (default: the config's own)")
+    p.add_argument("--mixes", nargs="+", default=None, help="train the target on these mixes (W,W,W), no search")
     args = p.parse_args()
     base = yaml.safe_load(configs.resolve(args.preset).read_text())
     if args.store:
         base["store"] = args.store
     runs = []
     with tempfile.TemporaryDirectory() as work:
+        if args.mixes:
+            mixes = [[float(x) for x in m.split(",")] for m in args.mixes]
+            runs = [r for seed in args.seeds for r in grid(base, seed, mixes, Path(work))]
+            print(json.dumps({"preset": args.preset, "grid": runs}))
+            return
         for seed in args.seeds:
             r = one_seed(base, seed, args.proxies, Path(work))
             print(f"seed {seed}: searched {r['searched']}, declared {r['declared']}, uniform {r['uniform']} "
