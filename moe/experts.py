@@ -58,7 +58,7 @@ def _each(w: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
     return [None] * n if w is None else list(w.unbind(0))
 
 
-def _glu_backward(x, dy, h1, h2, w1, v1, w2, dx, dw1, dv1, dw2) -> None:
+def _glu_backward(x, dy, h1, h2, dx, w1, v1, w2, dw1, dv1, dw2) -> None:
     """One expert's block, as autograd differentiates mm(silu(x w1^T) * (x v1^T), w2)."""
     act = F.silu(h1)
     torch.mm((act * h2).T, dy, out=dw2)
@@ -70,8 +70,8 @@ def _glu_backward(x, dy, h1, h2, w1, v1, w2, dx, dw1, dv1, dw2) -> None:
     torch.add(dh1 @ w1, dh2 @ v1, out=dx)  # two products, then one sum: autograd's order for x's two uses
 
 
-def _mlp_backward(x, dy, h1, w1, w2, dx, dw1, dw2) -> None:
-    """One expert's block, as autograd differentiates mm(gelu(x w1^T), w2)."""
+def _mlp_backward(x, dy, h1, h2, dx, w1, v1, w2, dw1, dv1, dw2) -> None:
+    """One expert's block, as autograd differentiates mm(gelu(x w1^T), w2) (h2, v1, dv1: None)."""
     torch.mm(F.gelu(h1).T, dy, out=dw2)
     dh1 = torch.ops.aten.gelu_backward(dy @ w2.T, h1)
     torch.mm(dh1.T, x, out=dw1)
@@ -95,6 +95,24 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def _each_expert(run, blocks: list[tuple]) -> None:
+    """`run(*block)` for each expert's block of views, in turn."""
+    for block in blocks:
+        run(*block)
+
+
+def _glu_forward(x, h1, h2, y, w1, v1, w2) -> None:
+    """One expert's block: y = mm(silu(x w1^T) * (x v1^T), w2), keeping the pre-activations h1, h2."""
+    torch.mm(x, w1.T, out=h1)
+    torch.mm(F.silu(h1) * torch.mm(x, v1.T, out=h2), w2, out=y)
+
+
+def _mlp_forward(x, h1, h2, y, w1, v1, w2) -> None:
+    """One expert's block: y = mm(gelu(x w1^T), w2), keeping the pre-activation h1."""
+    torch.mm(x, w1.T, out=h1)
+    torch.mm(F.gelu(h1), w2, out=y)
+
+
 class _ExpertLoop(torch.autograd.Function):
     """[A, D] rows sorted by expert -> [A, D]; w1, v1 (None without GLU), w2 as [E, F, D]; `cuts` [E - 1]: the
     rows where experts 1.. start, a CPU tensor (tensor_split reads it in C++: the layer's host reads stay one
@@ -105,13 +123,9 @@ class _ExpertLoop(torch.autograd.Function):
     def forward(ctx, x, w1, v1, w2, cuts: torch.Tensor):
         h1, y = x.new_empty(x.shape[0], w1.shape[1]), torch.empty_like(x)
         h2, n = (None if v1 is None else torch.empty_like(h1)), w1.shape[0]
-        for xe, h1e, h2e, ye, w1e, v1e, w2e in zip(*(_rows(t, cuts) for t in (x, h1, h2, y)),
-                                                  w1.unbind(0), _each(v1, n), w2.unbind(0)):
-            torch.mm(xe, w1e.T, out=h1e)
-            if h2e is None:
-                torch.mm(F.gelu(h1e), w2e, out=ye)
-            else:
-                torch.mm(F.silu(h1e) * torch.mm(xe, v1e.T, out=h2e), w2e, out=ye)
+        rows = zip(*(_rows(t, cuts) for t in (x, h1, h2, y)))
+        weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0))
+        _each_expert(_mlp_forward if v1 is None else _glu_forward, [r + w for r, w in zip(rows, weights)])
         ctx.save_for_backward(x, w1, v1, w2, h1, h2, cuts)
         return y
 
@@ -123,11 +137,7 @@ class _ExpertLoop(torch.autograd.Function):
         dv1 = None if v1 is None else torch.empty_like(v1)
         rows = zip(*(_rows(t, cuts) for t in (x, dy, h1, h2, dx)))
         weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0), dw1.unbind(0), _each(dv1, n), dw2.unbind(0))
-        for (xe, dye, h1e, h2e, dxe), (w1e, v1e, w2e, dw1e, dv1e, dw2e) in zip(rows, weights):
-            if h2e is None:
-                _mlp_backward(xe, dye, h1e, w1e, w2e, dxe, dw1e, dw2e)
-            else:
-                _glu_backward(xe, dye, h1e, h2e, w1e, v1e, w2e, dxe, dw1e, dv1e, dw2e)
+        _each_expert(_mlp_backward if v1 is None else _glu_backward, [r + w for r, w in zip(rows, weights)])
         return dx, dw1, dv1, dw2, None
 
 
