@@ -1,10 +1,13 @@
 """Experts as one grouped MLP over tokens sorted by expert (MegaBlocks layout: w1, v1, w2 as [E*F, D]).
 
 Legend: T tokens (sorted by expert), D model width, F expert hidden width, E experts.
-On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP in turn, forward and backward. It
-saves the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors;
-at 16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
-writes each weight gradient once, in place. Elsewhere `grouped_linear` has two paths:
+On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP, forward and backward. It saves
+the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors; at
+16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
+writes each weight gradient once, in place. With several intra-op threads the experts run in parallel, each
+on one thread (`_each_expert`): split across threads, each expert's small matmuls and activations waited
+for every thread at every op, 8x more waits at 64 experts than at 8 (benchmarks/README.md, moe_scaling).
+Elsewhere `grouped_linear` has two paths:
 `torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
 a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
 gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -95,10 +100,64 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def _one_thread() -> None:
+    """A pool thread's start: its ATen and MKL work runs on this thread alone (OpenMP and MKL keep the count
+    per thread; `torch.set_num_threads` would change it for the whole process)."""
+    torch.get_num_threads()  # ATen sets this thread's count on first use: let it, then override
+    lib = ctypes.CDLL(torch._C.__file__)  # libgomp and MKL are among its dependencies
+    lib.omp_set_num_threads(1)
+    lib.mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(1)))  # MKL's Fortran-style entry: by reference
+
+
+@functools.cache
+def _threads_settable() -> bool:
+    """Whether `_one_thread` can work here: ATen on OpenMP with MKL, both reachable from torch._C."""
+    if not (torch.backends.openmp.is_available() and torch.backends.mkl.is_available()):
+        return False
+    try:
+        lib = ctypes.CDLL(torch._C.__file__)
+        return bool(lib.omp_set_num_threads and lib.mkl_set_num_threads_local)
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def _pool(pid: int, threads: int) -> ThreadPoolExecutor:
+    """The expert threads of process `pid` (a forked child gets its own: threads do not survive a fork)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="experts", initializer=_one_thread)
+
+
+def _deal(rows: list[int], threads: int) -> list[list[int]]:
+    """Experts dealt to threads for about equal rows each: the largest first, each to the least loaded."""
+    shares, load = [[] for _ in range(threads)], [0] * threads
+    for e in sorted(range(len(rows)), key=rows.__getitem__, reverse=True):
+        t = load.index(min(load))
+        shares[t].append(e)
+        load[t] += rows[e]
+    return [s for s in shares if s]
+
+
 def _each_expert(run, blocks: list[tuple]) -> None:
-    """`run(*block)` for each expert's block of views, in turn."""
-    for block in blocks:
-        run(*block)
+    """`run(*block)` for each expert's block of views. With several intra-op threads the experts run in
+    parallel, each on one thread: one wait a pass, not one per op, and the bits of a one-thread run. In turn
+    on the calling thread under one thread, or under a torch function or dispatch mode (a mode sees the ops
+    of its own thread only: `matmul_dtypes`)."""
+    threads = torch.get_num_threads()
+    modes = torch._C._len_torch_function_stack() + torch._C._len_torch_dispatch_stack()
+    if threads == 1 or len(blocks) < threads or modes or not _threads_settable():
+        for block in blocks:
+            run(*block)
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def share(experts: list[int]) -> None:
+        with torch.inference_mode(inference), torch.no_grad():  # grad modes are per thread: the caller's
+            for e in experts:
+                run(*blocks[e])
+
+    pool = _pool(os.getpid(), threads)
+    for done in [pool.submit(share, s) for s in _deal([b[0].shape[0] for b in blocks], threads)]:
+        done.result()
 
 
 def _glu_forward(x, h1, h2, y, w1, v1, w2) -> None:
