@@ -1,10 +1,13 @@
 """Experts as one grouped MLP over tokens sorted by expert (MegaBlocks layout: w1, v1, w2 as [E*F, D]).
 
 Legend: T tokens (sorted by expert), D model width, F expert hidden width, E experts.
-On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP in turn, forward and backward. It
-saves the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors;
-at 16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
-writes each weight gradient once, in place. Elsewhere `grouped_linear` has two paths:
+On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP, forward and backward. It saves
+the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors; at
+16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
+writes each weight gradient once, in place. With several intra-op threads the experts run in parallel, each
+on one thread (`_each_expert`): split across threads, each expert's small matmuls and activations waited
+for every thread at every op, 8x more waits at 64 experts than at 8 (benchmarks/README.md, moe_scaling).
+Elsewhere `grouped_linear` has two paths:
 `torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
 a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
 gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -58,7 +63,7 @@ def _each(w: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
     return [None] * n if w is None else list(w.unbind(0))
 
 
-def _glu_backward(x, dy, h1, h2, w1, v1, w2, dx, dw1, dv1, dw2) -> None:
+def _glu_backward(x, dy, h1, h2, dx, w1, v1, w2, dw1, dv1, dw2) -> None:
     """One expert's block, as autograd differentiates mm(silu(x w1^T) * (x v1^T), w2)."""
     act = F.silu(h1)
     torch.mm((act * h2).T, dy, out=dw2)
@@ -70,8 +75,8 @@ def _glu_backward(x, dy, h1, h2, w1, v1, w2, dx, dw1, dv1, dw2) -> None:
     torch.add(dh1 @ w1, dh2 @ v1, out=dx)  # two products, then one sum: autograd's order for x's two uses
 
 
-def _mlp_backward(x, dy, h1, w1, w2, dx, dw1, dw2) -> None:
-    """One expert's block, as autograd differentiates mm(gelu(x w1^T), w2)."""
+def _mlp_backward(x, dy, h1, h2, dx, w1, v1, w2, dw1, dv1, dw2) -> None:
+    """One expert's block, as autograd differentiates mm(gelu(x w1^T), w2) (h2, v1, dv1: None)."""
     torch.mm(F.gelu(h1).T, dy, out=dw2)
     dh1 = torch.ops.aten.gelu_backward(dy @ w2.T, h1)
     torch.mm(dh1.T, x, out=dw1)
@@ -95,6 +100,78 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def _one_thread() -> None:
+    """A pool thread's start: its ATen and MKL work runs on this thread alone (OpenMP and MKL keep the count
+    per thread; `torch.set_num_threads` would change it for the whole process)."""
+    torch.get_num_threads()  # ATen sets this thread's count on first use: let it, then override
+    lib = ctypes.CDLL(torch._C.__file__)  # libgomp and MKL are among its dependencies
+    lib.omp_set_num_threads(1)
+    lib.mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(1)))  # MKL's Fortran-style entry: by reference
+
+
+@functools.cache
+def _threads_settable() -> bool:
+    """Whether `_one_thread` can work here: ATen on OpenMP with MKL, both reachable from torch._C."""
+    if not (torch.backends.openmp.is_available() and torch.backends.mkl.is_available()):
+        return False
+    try:
+        lib = ctypes.CDLL(torch._C.__file__)
+        return bool(lib.omp_set_num_threads and lib.mkl_set_num_threads_local)
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def _pool(pid: int, threads: int) -> ThreadPoolExecutor:
+    """The expert threads of process `pid` (a forked child gets its own: threads do not survive a fork)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="experts", initializer=_one_thread)
+
+
+def _deal(rows: list[int], threads: int) -> list[list[int]]:
+    """Experts dealt to threads for about equal rows each: the largest first, each to the least loaded."""
+    shares, load = [[] for _ in range(threads)], [0] * threads
+    for e in sorted(range(len(rows)), key=rows.__getitem__, reverse=True):
+        t = load.index(min(load))
+        shares[t].append(e)
+        load[t] += rows[e]
+    return [s for s in shares if s]
+
+
+def _each_expert(run, blocks: list[tuple]) -> None:
+    """`run(*block)` for each expert's block of views. With several intra-op threads the experts run in
+    parallel, each on one thread: one wait a pass, not one per op, and the bits of a one-thread run. In turn
+    on the calling thread under one thread, or under a torch function or dispatch mode (a mode sees the ops
+    of its own thread only: `matmul_dtypes`)."""
+    threads = torch.get_num_threads()
+    modes = torch._C._len_torch_function_stack() + torch._C._len_torch_dispatch_stack()
+    if threads == 1 or len(blocks) < threads or modes or not _threads_settable():
+        for block in blocks:
+            run(*block)
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def share(experts: list[int]) -> None:
+        with torch.inference_mode(inference), torch.no_grad():  # grad modes are per thread: the caller's
+            for e in experts:
+                run(*blocks[e])
+
+    pool = _pool(os.getpid(), threads)
+    for done in [pool.submit(share, s) for s in _deal([b[0].shape[0] for b in blocks], threads)]:
+        done.result()
+
+
+def _glu_forward(x, h1, h2, y, w1, v1, w2) -> None:
+    """One expert's block: y = mm(silu(x w1^T) * (x v1^T), w2), keeping the pre-activations h1, h2."""
+    torch.mm(x, w1.T, out=h1)
+    torch.mm(F.silu(h1) * torch.mm(x, v1.T, out=h2), w2, out=y)
+
+
+def _mlp_forward(x, h1, h2, y, w1, v1, w2) -> None:
+    """One expert's block: y = mm(gelu(x w1^T), w2), keeping the pre-activation h1."""
+    torch.mm(x, w1.T, out=h1)
+    torch.mm(F.gelu(h1), w2, out=y)
+
+
 class _ExpertLoop(torch.autograd.Function):
     """[A, D] rows sorted by expert -> [A, D]; w1, v1 (None without GLU), w2 as [E, F, D]; `cuts` [E - 1]: the
     rows where experts 1.. start, a CPU tensor (tensor_split reads it in C++: the layer's host reads stay one
@@ -105,13 +182,9 @@ class _ExpertLoop(torch.autograd.Function):
     def forward(ctx, x, w1, v1, w2, cuts: torch.Tensor):
         h1, y = x.new_empty(x.shape[0], w1.shape[1]), torch.empty_like(x)
         h2, n = (None if v1 is None else torch.empty_like(h1)), w1.shape[0]
-        for xe, h1e, h2e, ye, w1e, v1e, w2e in zip(*(_rows(t, cuts) for t in (x, h1, h2, y)),
-                                                  w1.unbind(0), _each(v1, n), w2.unbind(0)):
-            torch.mm(xe, w1e.T, out=h1e)
-            if h2e is None:
-                torch.mm(F.gelu(h1e), w2e, out=ye)
-            else:
-                torch.mm(F.silu(h1e) * torch.mm(xe, v1e.T, out=h2e), w2e, out=ye)
+        rows = zip(*(_rows(t, cuts) for t in (x, h1, h2, y)))
+        weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0))
+        _each_expert(_mlp_forward if v1 is None else _glu_forward, [r + w for r, w in zip(rows, weights)])
         ctx.save_for_backward(x, w1, v1, w2, h1, h2, cuts)
         return y
 
@@ -123,11 +196,7 @@ class _ExpertLoop(torch.autograd.Function):
         dv1 = None if v1 is None else torch.empty_like(v1)
         rows = zip(*(_rows(t, cuts) for t in (x, dy, h1, h2, dx)))
         weights = zip(w1.unbind(0), _each(v1, n), w2.unbind(0), dw1.unbind(0), _each(dv1, n), dw2.unbind(0))
-        for (xe, dye, h1e, h2e, dxe), (w1e, v1e, w2e, dw1e, dv1e, dw2e) in zip(rows, weights):
-            if h2e is None:
-                _mlp_backward(xe, dye, h1e, w1e, w2e, dxe, dw1e, dw2e)
-            else:
-                _glu_backward(xe, dye, h1e, h2e, w1e, v1e, w2e, dxe, dw1e, dv1e, dw2e)
+        _each_expert(_mlp_backward if v1 is None else _glu_backward, [r + w for r, w in zip(rows, weights)])
         return dx, dw1, dv1, dw2, None
 
 

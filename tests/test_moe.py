@@ -145,3 +145,47 @@ def test_cpu_backward_passes_reuse_the_weight_gradients_memory():
         step()
     per_pass = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
     assert keep_freed_memory() and per_pass < 3 * 8192 / 4, per_pass  # a quarter of the gradients' pages
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _pass(layer: MoE, x: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    y = layer(x)[0]
+    return [y, *torch.autograd.grad(y.square().mean(), [x, *layer.parameters()])]
+
+
+def test_cpu_experts_run_in_parallel_one_thread_each_with_one_thread_results(two_threads, monkeypatch):
+    """With 2 intra-op threads the experts are dealt to the expert threads, each computing on itself alone: the
+    same kernels as a one-thread run, so the same bits (tolerance 0)."""
+    import threading
+
+    from moeflow.moe import experts
+
+    ran, forward = [], experts._glu_forward
+
+    def spy(*block):
+        ran.append((threading.current_thread().name, torch.get_num_threads()))
+        forward(*block)
+
+    monkeypatch.setattr(experts, "_glu_forward", spy)
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(d_model=64, n_heads=2, num_experts=16, top_k=2, expert_hidden=32))
+    x = torch.randn(300, 64)
+    parallel = _pass(layer, x)
+    assert len(ran) == 16 and {t for _, t in ran} == {1}, ran
+    assert all(name.startswith("experts") for name, _ in ran), ran
+    with torch.inference_mode():  # grad modes are per thread: the expert threads take the caller's
+        torch.testing.assert_close(layer(x)[0], parallel[0], rtol=0, atol=0)
+    torch.set_num_threads(1)
+    ran.clear()
+    for one, two in zip(_pass(layer, x), parallel):
+        torch.testing.assert_close(two, one, rtol=0, atol=0)
+    assert {name for name, _ in ran} == {threading.current_thread().name}
+
