@@ -1,9 +1,10 @@
 """The mixture search against the declared and a uniform mix: the same target trained on each, per seed.
 
 Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies 8] [--store DIR]
-[--mixes W,W,W ...]`. With `--mixes` (weights in the order of the preset's `mix.weights`), no search runs: the
-target trains on each given mix instead (every phase tilted as the search's chosen mix would be), the ground
-truth a search is judged against.
+[--mixes W,W,W ... [--width W --layers L] [--batch B]]`. With `--mixes` (weights in the order of the preset's
+`mix.weights`), no search runs: the target trains on each given mix instead (every phase tilted as the search's
+chosen mix would be), the ground truth a search is judged against; with `--width`/`--layers`/`--batch`, a
+proxy of that shape and batch does (benchmark items off: only the held-out losses are read).
 
 Per seed, three `moeflow run CONFIG --until evaluate` runs of the preset (its ladder off: it does not change the
 target) with `seed` replaced: with `mix.search` (the target trains on the searched mix), on the declared weights,
@@ -28,6 +29,7 @@ from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run
 
 from moeflow import configs
 from moeflow.configs.data import tilt
+from moeflow.moe import ladder
 
 
 def run_config(data: dict, name: str, work: Path) -> dict:
@@ -49,6 +51,18 @@ def tilted(mix: dict, weights: list[float]) -> dict:
     phases = [{**p, "weights": tilt(p["weights"], mix["weights"], new)} if p.get("weights") else p
               for p in mix.get("phases", [])]
     return {**mix, "weights": new, "phases": phases}
+
+
+def proxy(base: dict, width: int | None, layers: int, batch: int | None) -> dict:
+    """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe) and `batch`, benchmarks off."""
+    if width:
+        model = ladder._model(configs.ModelConfig(**base["model"]), width, layers)
+        base = {**base, "model": model.model_dump(mode="json", exclude_defaults=True),
+                "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
+    if batch:
+        base = {**base, "train": {**base["train"], "batch_size": batch},
+                "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
+    return base
 
 
 def grid(base: dict, seed: int, mixes: list[list[float]], work: Path) -> list[dict]:
@@ -88,6 +102,9 @@ def main() -> None:
     p.add_argument("--proxies", type=int, default=8)
     p.add_argument("--store", default=None, help="artifact store (default: the config's own)")
     p.add_argument("--mixes", nargs="+", default=None, help="train the target on these mixes (W,W,W), no search")
+    p.add_argument("--width", type=int, default=None, help="with --mixes: a proxy of this d_model")
+    p.add_argument("--layers", type=int, default=1, help="with --width: its layers")
+    p.add_argument("--batch", type=int, default=None, help="with --mixes: this batch size")
     args = p.parse_args()
     base = yaml.safe_load(configs.resolve(args.preset).read_text())
     if args.store:
@@ -96,7 +113,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         if args.mixes:
             mixes = [[float(x) for x in m.split(",")] for m in args.mixes]
-            runs = [r for seed in args.seeds for r in grid(base, seed, mixes, Path(work))]
+            shaped = proxy(base, args.width, args.layers, args.batch)
+            runs = [r for seed in args.seeds for r in grid(shaped, seed, mixes, Path(work))]
             print(json.dumps({"preset": args.preset, "grid": runs}))
             return
         for seed in args.seeds:
