@@ -218,37 +218,53 @@ def signatures(sign_dirs: list[Path], wanted: np.ndarray) -> dict[int, np.ndarra
 def pairs(cfg: DedupConfig, sign_dirs: list[Path], out: Path, part: tuple[int, int]) -> dict:
     """Phase `pairs` for hash partition `part`: exact duplicates, and verified near-duplicate edges."""
     p = part[0]
-    exact = pa.concat_tables([_read(d / f"exact-{p:04d}.arrow") for d in sign_dirs])
-    groups = exact.group_by("hash").aggregate([("id", "min"), ("id", "count")])
-    joined = exact.join(groups, "hash")
-    dups = joined.filter(pc.not_equal(joined["id"], joined["id_min"]))
-    dups = pa.table({"pos": dups["pos"], "rep": dups["id_min"]}, schema=DUPS).sort_by("pos")
+    exact = _sorted(pa.concat_tables([_read(d / f"exact-{p:04d}.arrow") for d in sign_dirs]), ["hash", "id"])
+    first, rep = _groups(exact.column("hash").to_numpy())
+    ids = exact.column("id")
+    is_dup = pc.not_equal(ids, ids.take(pa.array(rep))).to_numpy(zero_copy_only=False)
+    dups = pa.table({"pos": exact["pos"].filter(is_dup), "rep": ids.take(pa.array(rep[is_dup]))},
+                    schema=DUPS).sort_by("pos")
     _write(out / "exact.arrow", dups)
-    sizes = Counter(str(n) for n in groups.column("id_count").to_pylist() if n > 1)
+    counts = np.diff(np.append(np.flatnonzero(first), len(first)))
+    sizes = Counter(str(n) for n in counts[counts > 1].tolist())
     edges = _edges(cfg, sign_dirs, p) if cfg.minhash else EDGES.empty_table()
     _write(out / "edges.arrow", edges)
     return {"exact_groups": dict(sorted(sizes.items(), key=_by_int)), "exact_duplicates": dups.num_rows,
             "edges": edges.num_rows}
 
 
+def _sorted(table: pa.Table, keys: list[str]) -> pa.Table:
+    return table.take(pc.sort_indices(table, [(k, "ascending") for k in keys]))
+
+
+def _groups(*keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows sorted by `keys`: whether each row starts a run of equal keys, and the index of its run's
+    first row. (Sorting and numpy, not Arrow's group_by and join: those hold some 50 MB of native memory
+    even for a few hundred rows, which a worker then keeps.)"""
+    n = len(keys[0])
+    first = np.ones(n, bool)
+    for k in keys:
+        first[1:] &= k[1:] == k[:-1]
+    first[1:] = ~first[1:]
+    return first, np.flatnonzero(first)[np.cumsum(first) - 1]
+
+
 def _edges(cfg: DedupConfig, sign_dirs: list[Path], p: int) -> pa.Table:
     """Candidate pairs of the band buckets in partition `p`: each bucket's smallest id with every other text
     in it (a text's id: the smallest id of its copies), kept when the estimated similarity reaches the
     threshold."""
-    rows = pa.concat_tables([_read(d / f"bands-{p:04d}.arrow") for d in sign_dirs])
-    rows = rows.group_by(["band", "bucket", "hash"]).aggregate([("id", "min")])
-    sizes = rows.group_by(["band", "bucket"]).aggregate([("hash", "count")])
-    shared = sizes.filter(pc.greater(sizes["hash_count"], 1)).drop_columns("hash_count")
-    rows = rows.join(shared, ["band", "bucket"], join_type="inner").sort_by(
-        [("band", "ascending"), ("bucket", "ascending"), ("id_min", "ascending")])
-    found: set[tuple[int, str, int, str]] = set()
-    anchor, last = None, None
-    columns = (rows.column(c).to_pylist() for c in ("band", "bucket", "hash", "id_min"))
-    for band, bucket, h, i in zip(*columns):
-        if (band, bucket) != last:
-            anchor, last = (h, i), (band, bucket)
-        else:
-            found.add((*anchor, h, i))
+    rows = _sorted(pa.concat_tables([_read(d / f"bands-{p:04d}.arrow") for d in sign_dirs]),
+                   ["band", "bucket", "hash", "id"])
+    band, bucket = rows.column("band").to_numpy(), rows.column("bucket").to_numpy()
+    first, _ = _groups(band, bucket, rows.column("hash").to_numpy())  # a text's first row: its smallest id
+    rows = rows.filter(first)
+    band, bucket = band[first], bucket[first]
+    start, anchor = _groups(band, bucket)
+    shared = np.bincount(np.cumsum(start) - 1)[np.cumsum(start) - 1] > 1  # buckets of two texts or more
+    rows = _sorted(rows.filter(shared), ["band", "bucket", "id"])
+    start, anchor = _groups(rows.column("band").to_numpy(), rows.column("bucket").to_numpy())
+    h, i = rows.column("hash").to_numpy(), rows.column("id").to_pylist()
+    found = {(int(h[a]), i[a], int(h[k]), i[k]) for k, a in enumerate(anchor.tolist()) if k != a}
     sigs = signatures(sign_dirs, np.array([x for a, _, b, _ in found for x in (a, b)], np.uint64))
     kept = sorted(e for e in found if minhash.similarity(sigs[e[0]], sigs[e[2]]) >= cfg.threshold)
     return pa.table({name: [e[k] for e in kept] for k, name in enumerate(EDGES.names)}, schema=EDGES)
