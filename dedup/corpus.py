@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import xxhash
 
 from moeflow.configs import DedupConfig
-from moeflow.core.documents import DocWriter, count_docs, iter_docs, join, shard_rows
+from moeflow.core.documents import DocWriter, count_docs, iter_docs, iter_tables, join, shard_rows
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import minhash
@@ -307,34 +307,67 @@ def _by_int(item: tuple[str, int]) -> int:
     return int(item[0])
 
 
-def write_shard(cfg: DedupConfig, docs_dir: Path, pair_dirs: list[Path], near_dir: Path, out: Path,
-                part: tuple[int, int]) -> dict:
-    """Phase `shard`: record shard `part`'s documents with their fates (kept, exact or minhash duplicate)."""
+def write_shard(cfg: DedupConfig, docs_dir: Path, sign_dir: Path, pair_dirs: list[Path], near_dir: Path,
+                out: Path, part: tuple[int, int]) -> dict:
+    """Phase `shard`: record shard `part`'s documents with their fates (kept, exact or minhash duplicate).
+    The documents stay Arrow tables, filtered to the kept rows: a text's hash comes from its `sign` part
+    (the same record shard), so no text becomes a Python string or is normalised again."""
     rows = shard_rows(count_docs(docs_dir), part)
+    exact = _exact_reps(pair_dirs, rows)
+    near = _near_reps(near_dir, _text_hashes(sign_dir, rows), rows.start)
+    ledger = Ledger("dedup", out)
+    with DocWriter(out) as writer:
+        pos = rows.start
+        for table in iter_tables(docs_dir, shard=part):
+            keep = np.ones(table.num_rows, bool)
+            for k, doc_id in enumerate(table.column("id").to_pylist()):
+                of = near.get(pos + k)
+                if pos + k in exact:
+                    ledger.add(doc_id, "duplicate", "exact", exact[pos + k])
+                elif of is not None and of[0] != doc_id:
+                    ledger.add(doc_id, "duplicate", "minhash", json.dumps({"of": of[0], "similarity": of[1]}))
+                else:
+                    ledger.kept(doc_id)
+                    continue
+                keep[k] = False
+            writer.write_table(table.filter(keep))
+            pos += table.num_rows
+        n_out = writer.count
+    ledger.write()
+    return ledger.check(len(rows), n_out)
+
+
+def _exact_reps(pair_dirs: list[Path], rows: range) -> dict[int, str]:
+    """Position -> representative id of the exact duplicates among `rows`."""
     exact: dict[int, str] = {}
     for d in pair_dirs:
         t = _read(d / "exact.arrow")
         pos = t.column("pos").to_numpy()
         lo, hi = np.searchsorted(pos, rows.start), np.searchsorted(pos, rows.stop)
         exact.update(zip(pos[lo:hi].tolist(), t.column("rep").slice(lo, hi - lo).to_pylist()))
-    near_t = _read(near_dir / "near.arrow")
-    near = dict(zip(near_t.column("hash").to_pylist(), zip(near_t.column("rep").to_pylist(),
-                                                           near_t.column("similarity").to_pylist())))
-    ledger = Ledger("dedup", out)
-    with DocWriter(out) as writer:
-        for pos, row in zip(rows, iter_docs(docs_dir, shard=part)):
-            if pos in exact:
-                ledger.add(row["id"], "duplicate", "exact", exact[pos])
-                continue
-            of = near.get(xxhash.xxh3_64_intdigest(normalise(row["text"], cfg.lowercase).encode()))
-            if of is not None and of[0] != row["id"]:
-                ledger.add(row["id"], "duplicate", "minhash", json.dumps({"of": of[0], "similarity": of[1]}))
-            else:
-                writer.write(row)
-                ledger.kept(row["id"])
-        n_out = writer.count
-    ledger.write()
-    return ledger.check(len(rows), n_out)
+    return exact
+
+
+def _text_hashes(sign_dir: Path, rows: range) -> np.ndarray:
+    """The normalised text's hash of each document of `rows`, in order, from the `sign` part of these rows."""
+    spilled = pa.concat_tables([_read(f) for f in sorted(sign_dir.glob("exact-*.arrow"))])
+    pos = spilled.column("pos").to_numpy()
+    if not np.array_equal(np.sort(pos), np.arange(rows.start, rows.stop)):
+        raise RuntimeError(f"dedup: the sign part {sign_dir} does not hold rows {rows.start}-{rows.stop}")
+    hashes = np.empty(len(rows), np.uint64)
+    hashes[pos - rows.start] = spilled.column("hash").to_numpy()
+    return hashes
+
+
+def _near_reps(near_dir: Path, hashes: np.ndarray, start: int) -> dict[int, tuple[str, float]]:
+    """Position -> (representative id, similarity) of the texts in `near.arrow` among `hashes` (of the
+    documents from position `start` on)."""
+    near = _read(near_dir / "near.arrow")  # sorted by hash, each once
+    known = near.column("hash").to_numpy()
+    at = np.minimum(np.searchsorted(known, hashes), max(len(known) - 1, 0))
+    hit = np.flatnonzero(known[at] == hashes) if len(known) else np.empty(0, np.int64)
+    reps, sims = near.column("rep").to_pylist(), near.column("similarity").to_pylist()
+    return {start + int(k): (reps[at[k]], sims[at[k]]) for k in hit}
 
 
 def merge(cfg: DedupConfig, prior: dict[str, list[Path]], out: Path) -> dict:
@@ -368,7 +401,8 @@ def clusters_part(cfg, inputs, prior, out, part):
 
 
 def shard_part(cfg, inputs, prior, out, part):
-    return write_shard(cfg, inputs["docs"].dir, prior["pairs"], prior["clusters"][0], out, part)
+    return write_shard(cfg, inputs["docs"].dir, prior["sign"][part[0]], prior["pairs"], prior["clusters"][0], out,
+                       part)
 
 
 PHASES = (("sign", sign_part), ("pairs", pairs_part), ("clusters", clusters_part), ("shard", shard_part))
