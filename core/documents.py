@@ -103,10 +103,11 @@ def iter_docs(
 
 
 def iter_tables(
-    folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1)
+    folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1), use_threads: bool = True
 ) -> Iterator[pa.Table]:
     """`iter_docs`'s rows as Arrow tables, the shard's part of one row group each, for a stage that needs
-    no document as Python objects."""
+    no document as Python objects. `use_threads=False`: each row group decoded on this thread, its memory
+    from this thread's heap (Arrow's threads spread a worker's allocations over more heaps, each kept)."""
     f = pq.ParquetFile(Path(folder) / DOCS)
     rows = shard_rows(f.metadata.num_rows, shard)
     start = 0
@@ -114,7 +115,7 @@ def iter_tables(
         n = f.metadata.row_group(i).num_rows
         lo, hi = max(rows.start, start), min(rows.stop, start + n)
         if lo < hi:
-            yield f.read_row_group(i, columns=columns).slice(lo - start, hi - lo)
+            yield f.read_row_group(i, columns=columns, use_threads=use_threads).slice(lo - start, hi - lo)
             faults.reached(hi - rows.start, len(rows))  # `make chaos`: a kill point by documents read
         start += n
 
