@@ -15,7 +15,9 @@ The stage runs as four phases of tasks, each part its own artifact, so no task h
 
 What grows with the corpus: the `clusters` task holds the near-duplicate edges and their texts (not the
 corpus), and the `shard` tasks read the near-duplicate table whole. The output is the same for any
-number of shards and partitions.
+number of shards and partitions. A worker's memory otherwise does not grow with the corpus: a part holds
+one row group of documents and its shard's rows; each part gives back what it freed (`release`), since a
+worker runs many parts in turn and its allocators would keep every part's leftovers.
 """
 
 from __future__ import annotations
