@@ -18,7 +18,7 @@ from moeflow.tokenize.ngrams import window_hashes, words
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-CHUNK = 4096  # shingles hashed at once
+CHUNK = 1024  # shingles hashed at once: two arrays of keys x CHUNK uint64s (0.9 MB each at 112 keys)
 
 
 def permutations(num: int, seed: int) -> np.ndarray:
@@ -26,20 +26,31 @@ def permutations(num: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1 << 63, num, dtype=np.uint64)
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection on uint64 whose outputs look independent for different keys."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+def _mix(z: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's finaliser, in place on `z` (`scratch`: an array of its shape to overwrite): a bijection
+    on uint64 whose outputs look independent for different keys. In place, a block needs two arrays, not
+    seven (each new array of a large block is a fresh allocation that a worker's allocator keeps)."""
+    scratch = np.empty_like(z) if scratch is None else scratch
+    for shift, mult in ((30, _M1), (27, _M2)):
+        np.right_shift(z, np.uint64(shift), out=scratch)
+        z ^= scratch
+        z *= mult  # wraps modulo 2^64, as intended (array arithmetic does not warn)
+    np.right_shift(z, np.uint64(31), out=scratch)
+    z ^= scratch
+    return z
 
 
 def signature(text: str, ngram: int, keys: np.ndarray) -> np.ndarray:
     toks = words(text)
     shingles = np.unique(window_hashes(toks, min(ngram, len(toks))) if toks else np.empty(0, np.uint64))
     sig = np.full(keys.size, EMPTY, dtype=np.uint64)
+    width = min(CHUNK, shingles.size)
+    z, scratch = np.empty((keys.size, width), np.uint64), np.empty((keys.size, width), np.uint64)
     for i in range(0, shingles.size, CHUNK):  # a block at a time: a 10 MB document needs no 1 GB array
-        np.minimum(sig, _mix(keys[:, None] ^ shingles[None, i:i + CHUNK]).min(axis=1), out=sig)
+        block = shingles[i:i + CHUNK]
+        zb, sb = z[:, :block.size], scratch[:, :block.size]
+        np.bitwise_xor(keys[:, None], block[None, :], out=zb)
+        np.minimum(sig, _mix(zb, sb).min(axis=1), out=sig)
     return sig
 
 

@@ -302,6 +302,27 @@ def test_dedup_with_more_shards_than_documents(tmp_path):
     assert outs[0] == outs[1] and stats["documents_in"] == 3 and stats["fates"]["duplicate:exact"] == 1
 
 
+def test_every_dedup_part_and_the_join_give_back_the_memory_they_freed(tmp_path, monkeypatch):
+    """A worker runs part after part: each part, and the join, gives its freed memory back before the next."""
+    corpus.release()  # the real one runs here (glibc's malloc_trim where there is one)
+    calls = []
+    monkeypatch.setattr(corpus, "release", lambda: calls.append(1))
+    src = _write(tmp_path / "in", [("b", PROSE), ("a", PROSE.upper()), ("c", PROSE + " Another sentence.")])
+    (out := tmp_path / "out").mkdir()
+    run_dedup(DedupConfig(partitions=2), src, out, shards=3)
+    assert len(calls) == 3 + 2 + 1 + 3 + 1  # sign, pairs, clusters and shard parts, then the join
+
+
+def test_runs_of_sorted_keys():
+    import numpy as np
+
+    first, rep = corpus._groups(np.array([1, 1, 2, 3, 3, 3]), np.array([5, 5, 5, 5, 6, 6]))
+    assert first.tolist() == [True, False, True, True, True, False]
+    assert rep.tolist() == [0, 0, 2, 3, 4, 4]
+    first, rep = corpus._groups(np.array([], np.uint64))
+    assert first.size == rep.size == 0
+
+
 def _real_documents(limit: int) -> list[str]:
     """Documents of three real kinds from the smoke preset's packages: reST docs, kernel docs (gzip), plays."""
     import gzip
