@@ -55,13 +55,14 @@ def tilted(mix: dict, weights: list[float]) -> dict:
 
 def proxy(base: dict, width: int | None, layers: int, batch: int | None) -> dict:
     """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe) and `batch`, benchmarks off."""
+    if not (width or batch):
+        return base
+    base = {**base, "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
     if width:
         model = ladder._model(configs.ModelConfig(**base["model"]), width, layers)
-        base = {**base, "model": model.model_dump(mode="json", exclude_defaults=True),
-                "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
+        base["model"] = model.model_dump(mode="json", exclude_defaults=True)
     if batch:
-        base = {**base, "train": {**base["train"], "batch_size": batch},
-                "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
+        base["train"] = {**base["train"], "batch_size": batch}
     return base
 
 
