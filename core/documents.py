@@ -92,13 +92,13 @@ def shard_rows(num_rows: int, shard: tuple[int, int]) -> range:
 
 
 def iter_docs(
-    folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1)
+    folder: Path, columns: list[str] | None = None, shard: tuple[int, int] = (0, 1), use_threads: bool = True
 ) -> Iterator[dict]:
     """Documents of a stage's output (or of one record shard of it), in stored order.
 
-    Reads a row group at a time.
+    Reads a row group at a time (`use_threads`: as `iter_tables`).
     """
-    for table in iter_tables(folder, columns, shard):
+    for table in iter_tables(folder, columns, shard, use_threads):
         yield from table.to_pylist()
 
 

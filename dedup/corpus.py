@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 import xxhash
 
 from moeflow.configs import DedupConfig
-from moeflow.core.documents import DocWriter, count_docs, iter_tables, join, shard_rows
+from moeflow.core.documents import DocWriter, count_docs, iter_docs, iter_tables, join, shard_rows
 from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import minhash
@@ -123,7 +123,7 @@ def sign(cfg: DedupConfig, docs_dir: Path, out: Path, part: tuple[int, int]) -> 
     raw_schema = pa.schema([("hash", pa.uint64()), ("sig", pa.binary(width * 8))])
     raw = _Spill(out, ".unsorted", raw_schema, "hash", None, compress=False)
     first: dict[int, str] = {}  # hash -> the smallest id of this part's documents with that text
-    rows = (doc for t in iter_tables(docs_dir, ["id", "text"], part, use_threads=False) for doc in t.to_pylist())
+    rows = iter_docs(docs_dir, columns=["id", "text"], shard=part, use_threads=False)
     n = 0
     for pos, row in enumerate(tqdm(rows, total=count_docs(docs_dir, part), unit="doc", mininterval=5,
                                    desc=f"dedup sign {part[0]}/{part[1]}"), start):
@@ -264,7 +264,7 @@ def _edges(cfg: DedupConfig, sign_dirs: list[Path], p: int) -> pa.Table:
     first, _ = _groups(band, bucket, rows.column("hash").to_numpy())  # a text's first row: its smallest id
     rows = rows.filter(first)
     band, bucket = band[first], bucket[first]
-    start, anchor = _groups(band, bucket)
+    start, _ = _groups(band, bucket)
     shared = np.bincount(np.cumsum(start) - 1)[np.cumsum(start) - 1] > 1  # buckets of two texts or more
     rows = _sorted(rows.filter(shared), ["band", "bucket", "id"])
     start, anchor = _groups(rows.column("band").to_numpy(), rows.column("bucket").to_numpy())
@@ -312,8 +312,8 @@ def _by_int(item: tuple[str, int]) -> int:
     return int(item[0])
 
 
-def write_shard(cfg: DedupConfig, docs_dir: Path, sign_dir: Path, pair_dirs: list[Path], near_dir: Path,
-                out: Path, part: tuple[int, int]) -> dict:
+def write_shard(docs_dir: Path, sign_dir: Path, pair_dirs: list[Path], near_dir: Path, out: Path,
+                part: tuple[int, int]) -> dict:
     """Phase `shard`: record shard `part`'s documents with their fates (kept, exact or minhash duplicate).
     The documents stay Arrow tables, filtered to the kept rows: a text's hash comes from its `sign` part
     (the same record shard), so no text becomes a Python string or is normalised again."""
@@ -436,8 +436,7 @@ def clusters_part(cfg, inputs, prior, out, part):
 
 
 def shard_part(cfg, inputs, prior, out, part):
-    return write_shard(cfg, inputs["docs"].dir, prior["sign"][part[0]], prior["pairs"], prior["clusters"][0], out,
-                       part)
+    return write_shard(inputs["docs"].dir, prior["sign"][part[0]], prior["pairs"], prior["clusters"][0], out, part)
 
 
 PHASES = tuple((name, _released(body)) for name, body in
