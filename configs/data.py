@@ -331,6 +331,10 @@ class MixConfig(Frozen):
     # a domain's documents are repeated (epochs) when it is too small for its share, at most this many
     # times over the whole run (OLMo-core's mixes cap repetition the same way); more is an error
     max_epochs: float = Field(default=8.0, ge=1)
+    # draw training text in pieces of at most this many tokens, each document cut into equal pieces drawn
+    # apart (none: whole documents). Where a run takes a small part of a domain of long documents, whole
+    # documents make its sample a handful of them, and which handful moves the held-out loss with the seed
+    piece_tokens: int | None = Field(default=None, gt=0)
     # choose `weights` by proxy runs before the target trains (none: the declared weights train)
     search: MixSearchConfig | None = None
     # quality-aware mixing (needs a `quality:` section): each domain's training documents split by their

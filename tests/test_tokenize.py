@@ -92,10 +92,11 @@ def test_store_round_trips_text_and_shards(built, docs):
     assert sum(r["tokens"] for r in index) == stats["tokens"]
 
 
-def test_every_packed_token_traces_to_its_document(built, tmp_path):
+@pytest.mark.parametrize("piece_tokens", [None, 64])
+def test_every_packed_token_traces_to_its_document(built, tmp_path, piece_tokens):
     tok_dir, store_dir, _ = built
     stats = mix.run(
-        MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}),
+        MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}, piece_tokens=piece_tokens),
         seed=3,
         phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})],
         batch_size=4,
@@ -123,6 +124,34 @@ def test_every_packed_token_traces_to_its_document(built, tmp_path):
     assert {s["row"] for s in mix.segments_of(tmp_path / "train.arrow", first["doc_id"])} >= {5}
     shares = stats["train_tokens_per_domain"]
     assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.05
+
+
+def test_pieces_cut_documents_evenly_and_spread_a_small_budget(built, tmp_path):
+    assert mix._pieces("d", 10, 4) == [("d", 0, 3, False), ("d", 3, 3, False), ("d", 6, 4, True)]
+    assert mix._pieces("d", 10, None) == mix._pieces("d", 10, 10) == [("d", 0, 10, True)]
+    # a piece that ends its document gets the EOS, one that does not gets none
+    rows = mix.pack([("d", 3, False, 3), ("d", 4, True, 6)], seq_len=7)
+    assert rows == [[{"doc_id": "d", "start": 0, "doc_offset": 3, "length": 3},
+                     {"doc_id": "d", "start": 3, "doc_offset": 6, "length": 5}]]
+    tok_dir, store_dir, _ = built
+    seen = {}
+    for piece in (None, 64):
+        out = tmp_path / str(piece)
+        out.mkdir()
+        mix.run(MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}, piece_tokens=piece),
+                seed=3, phases=[_phase("main", 0, 10, 32, {"a": 0.5, "b": 0.5})], batch_size=4,
+                store_dir=store_dir, tokenizer_dir=tok_dir, out=out)
+        segs = [s for row in mix.read(out / "train.arrow").column("segments").to_pylist() for s in row]
+        seen[piece] = {s["doc_id"] for s in segs}
+        if piece:  # no piece runs past its end: a document's segments cover disjoint spans
+            spans = {}
+            for s in segs:
+                spans.setdefault(s["doc_id"], []).append((s["doc_offset"], s["doc_offset"] + s["length"]))
+            for doc in spans.values():
+                doc.sort()
+                assert all(a[1] <= b[0] for a, b in zip(doc, doc[1:])), doc
+    # the same budget, drawn in pieces, reads from many more documents than whole documents do
+    assert len(seen[64]) >= 3 * len(seen[None]), seen
 
 
 def _phase(name, start, steps, seq_len, weights, index=0):

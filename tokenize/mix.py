@@ -1,10 +1,11 @@
 """Domain mixing: hold out evaluation documents, sample training documents by domain weight, pack sequences.
 
 Held-out documents are chosen by group (`tokenize.heldout`: every version of a work on one side), and
-their overlap with the training documents is measured (`leakage.json`). Training documents are drawn
-per domain in a seeded order until the domain has its share of the token budget, repeating a domain's documents (epochs)
-when it is too small; repetitions are recorded. The drawn documents are shuffled together and
-packed, separated by the end-of-text token, into sequences of `seq_len + 1` tokens, which are shuffled
+their overlap with the training documents is measured (`leakage.json`). Training documents (or, with
+`mix.piece_tokens`, pieces of them) are drawn per domain in a seeded order until the domain has its share
+of the token budget, repeating a domain's documents (epochs) when it is too small; repetitions are recorded.
+The drawn pieces are shuffled together and packed, separated by the end-of-text token where a document
+ends, into sequences of `seq_len + 1` tokens, which are shuffled
 again so that no long document fills consecutive batches.
 The run is a curriculum of phases (`mix.phases`), each with its own domain weights, budget in steps and
 context length; a domain's documents are drawn in seeded permutations that carry on from phase to
@@ -40,22 +41,22 @@ SEGMENT = pa.struct(
 
 
 def pack(
-    docs: list[tuple[str, int, bool]], seq_len: int, max_sequences: int | None = None
+    docs: list[tuple], seq_len: int, max_sequences: int | None = None
 ) -> list[list[dict]]:
-    """Pack (doc id, token count, complete) into rows of seq_len+1 tokens: each row's segments; a
-    partial last row is dropped. Lengths only: `rows` fills them with tokens afterwards.
+    """Pack (doc id, token count, complete[, offset]) into rows of seq_len+1 tokens: each row's segments;
+    a partial last row is dropped. Lengths only: `rows` fills them with tokens afterwards.
 
-    A complete document is followed by EOS, which its segment covers at `doc_offset == length`;
-    a document cut to the budget gets no EOS, since it does not end there.
+    A piece that ends its document is followed by EOS, which its segment covers at the document's
+    length; a piece cut to the budget, or a piece that ends before its document does, gets no EOS.
     """
     width = seq_len + 1
     rows: list[list[dict]] = []
     fill, segs = 0, []
-    for doc_id, length, complete in docs:
-        length += 1 if complete else 0
-        off = 0
-        while off < length:
-            take = min(width - fill, length - off)
+    for doc_id, length, complete, *first in docs:
+        off = first[0] if first else 0
+        end = off + length + (1 if complete else 0)
+        while off < end:
+            take = min(width - fill, end - off)
             segs.append({"doc_id": doc_id, "start": fill, "doc_offset": off, "length": take})
             fill, off = fill + take, off + take
             if fill == width:
@@ -138,18 +139,29 @@ def _write_all(out: Path, store_dir: Path, eos: int, vocab_size: int, train: lis
 
 
 class _Domain:
-    """A domain's training documents, drawn in seeded permutations that carry on across phases."""
+    """A domain's training text, drawn in seeded permutations that carry on across phases: whole documents,
+    or with `piece` each document cut into equal pieces of at most `piece` tokens, drawn apart."""
 
-    def __init__(self, ids: list[str], rng: np.random.Generator):
-        self.ids, self.rng = ids, rng
+    def __init__(self, ids: list[str], rng: np.random.Generator, length: dict[str, int], piece: int | None):
+        self.pieces = [p for i in ids for p in _pieces(i, length[i], piece)]
+        self.rng = rng
         self.order: list[int] = []
         self.epochs = 0
 
-    def next(self) -> str:
+    def next(self) -> tuple[str, int, int, bool]:
+        """The next piece: (doc id, offset, tokens, whether it ends its document)."""
         if not self.order:
-            self.order = list(self.rng.permutation(len(self.ids))[::-1])
+            self.order = list(self.rng.permutation(len(self.pieces))[::-1])
             self.epochs += 1
-        return self.ids[self.order.pop()]
+        return self.pieces[self.order.pop()]
+
+
+def _pieces(doc_id: str, n: int, piece: int | None) -> list[tuple[str, int, int, bool]]:
+    """A document of `n` tokens as (doc id, offset, tokens, last) pieces of at most `piece` tokens, as even as
+    whole tokens allow (none: the whole document)."""
+    k = -(-n // piece) if piece else 1
+    cuts = [n * j // k for j in range(k + 1)]
+    return [(doc_id, cuts[j], cuts[j + 1] - cuts[j], j == k - 1) for j in range(k)]
 
 
 def stage(s: dict, inputs: dict, out: Path) -> dict:
@@ -191,11 +203,11 @@ def run(
     train, phases, bucket_of = buckets.split(cfg, train, scores, length, phases)
     labelled = [{**r, "domain": bucket_of.get(r["doc_id"], r["domain"])} for r in index] if bucket_of else index
     rng = np.random.default_rng(seed)
-    domains = {d: _Domain(ids, rng) for d, ids in sorted(train.items()) if ids}
+    domains = {d: _Domain(ids, rng, length, cfg.piece_tokens) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
     all_segments, phase_col, plan = [], [], []
     for ph in phases:
-        drawn, targets = _draw(cfg, ph, ph.steps * batch_size * (ph.seq_len + 1), domains, length, domain_tokens)
+        drawn, targets = _draw(cfg, ph, ph.steps * batch_size * (ph.seq_len + 1), domains, domain_tokens)
         segments = _packed(ph, drawn, ph.steps * batch_size, rng)
         all_segments += segments
         phase_col += [ph.index] * len(segments)
@@ -251,11 +263,11 @@ def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:
     return by_domain
 
 
-def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain], length: dict[str, int],
-          domain_tokens: dict[str, int]) -> tuple[list[tuple[str, int, bool]], dict[str, int]]:
-    """The documents a phase samples, by domain weight, up to its token budget: (drawn, target per domain)."""
+def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
+          domain_tokens: dict[str, int]) -> tuple[list[tuple], dict[str, int]]:
+    """The pieces a phase samples, by domain weight, up to its token budget: (drawn, target per domain)."""
     total_w = sum(w for w in ph.weights.values() if w > 0)
-    drawn: list[tuple[str, int, bool]] = []
+    drawn: list[tuple] = []
     targets = {}
     for domain, weight in sorted(ph.weights.items()):
         if weight <= 0 or domain not in domains:
@@ -263,10 +275,10 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain], l
         target = targets[domain] = int(budget * weight / total_w) + 1
         got, source = 0, domains[domain]
         while got < target:
-            doc_id = source.next()
-            take = min(length[doc_id], target - got)  # the last document may be cut to the budget
-            drawn.append((doc_id, take, take == length[doc_id]))
-            got += take + 1
+            doc_id, offset, n, last = source.next()
+            take = min(n, target - got)  # the last piece may be cut to the budget
+            drawn.append((doc_id, take, last and take == n, offset))
+            got += take + last  # a document's last piece is followed by EOS (budgeted even when cut)
         if source.epochs > cfg.max_epochs:
             field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
             raise ConfigError(
@@ -277,7 +289,7 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain], l
     return drawn, targets
 
 
-def _packed(ph: Phase, drawn: list[tuple[str, int, bool]], num_sequences: int,
+def _packed(ph: Phase, drawn: list[tuple], num_sequences: int,
             rng: np.random.Generator) -> list[list[dict]]:
     """The phase's drawn documents shuffled, packed into `num_sequences` sequences, shuffled again."""
     order = rng.permutation(len(drawn))
