@@ -213,14 +213,17 @@ class TokenizerConfig(Frozen):
         return self
 
 
+DIGITS = 12  # tilted weights are rounded here: weights equal to the declared ones give the declared mix, bit for bit
+
+
 def tilt(weights: dict[str, float], declared: dict[str, float], new: dict[str, float]) -> dict[str, float]:
     """A phase's `weights` moved as the run's weights move from `declared` to `new`: each domain scaled by
-    new / declared (both normalised), then normalised again."""
+    new / declared (both normalised), then normalised again (and rounded to `DIGITS` places)."""
     d_total, n_total = sum(declared.values()), sum(new.values())
     out = {d: w * (new.get(d, 0.0) / n_total) / (declared[d] / d_total) if declared.get(d) else w
            for d, w in weights.items()}
     total = sum(out.values())
-    return {d: w / total for d, w in out.items()} if total > 0 else dict(weights)
+    return {d: round(w / total, DIGITS) for d, w in out.items()} if total > 0 else dict(weights)
 
 
 def _check_weights(v: dict[str, float]) -> dict[str, float]:
@@ -345,7 +348,7 @@ class MixConfig(Frozen):
         """This mix with `weights` in place of the declared ones, each phase's own weights tilted by the same
         per-domain ratio (the curriculum keeps its shape), and no search."""
         total = sum(weights.values())
-        new = {d: weights.get(d, 0.0) / total for d in self.weights}
+        new = {d: round(weights.get(d, 0.0) / total, DIGITS) for d in self.weights}
         phases = tuple(
             p if p.weights is None else p.model_copy(update={"weights": tilt(p.weights, self.weights, new)})
             for p in self.phases

@@ -92,6 +92,10 @@ def test_tilting_keeps_the_curriculum_shape():
     # each domain scaled by chosen / declared: literature x2, the others / 3
     assert after["literature"] / after["python_docs"] == pytest.approx(
         before["literature"] * 2 / (before["python_docs"] / 3))
+    # the declared weights, tilted, are the declared mix to the bit: the same mix stage, the same draws
+    for name in ("smoke", "tiny"):
+        mix = configs.load(name).mix
+        assert mix.tilted(dict(mix.weights)) == mix.model_copy(update={"search": None})
 
 
 def test_bad_search_configs_fail_before_any_work(tmp_path):
