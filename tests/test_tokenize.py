@@ -130,7 +130,7 @@ def test_pieces_cut_documents_evenly_and_spread_a_small_budget(built, tmp_path):
     assert mix._pieces("d", 10, 4) == [("d", 0, 3, False), ("d", 3, 3, False), ("d", 6, 4, True)]
     assert mix._pieces("d", 10, None) == mix._pieces("d", 10, 10) == [("d", 0, 10, True)]
     # a piece that ends its document gets the EOS, one that does not gets none
-    rows = mix.pack([("d", 3, False, 3), ("d", 4, True, 6)], seq_len=7)
+    rows = mix.pack([("d", 3, 3, False), ("d", 6, 4, True)], seq_len=7)
     assert rows == [[{"doc_id": "d", "start": 0, "doc_offset": 3, "length": 3},
                      {"doc_id": "d", "start": 3, "doc_offset": 6, "length": 5}]]
     tok_dir, store_dir, _ = built

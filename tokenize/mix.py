@@ -40,11 +40,12 @@ SEGMENT = pa.struct(
 )
 
 
-def pack(
-    docs: list[tuple], seq_len: int, max_sequences: int | None = None
-) -> list[list[dict]]:
-    """Pack (doc id, token count, complete[, offset]) into rows of seq_len+1 tokens: each row's segments;
-    a partial last row is dropped. Lengths only: `rows` fills them with tokens afterwards.
+Piece = tuple[str, int, int, bool]  # (doc id, offset, tokens, whether it ends its document: EOS follows)
+
+
+def pack(docs: list[Piece], seq_len: int, max_sequences: int | None = None) -> list[list[dict]]:
+    """Pack pieces of documents into rows of seq_len+1 tokens: each row's segments; a partial last row is
+    dropped. Lengths only: `rows` fills them with tokens afterwards.
 
     A piece that ends its document is followed by EOS, which its segment covers at the document's
     length; a piece cut to the budget, or a piece that ends before its document does, gets no EOS.
@@ -52,9 +53,8 @@ def pack(
     width = seq_len + 1
     rows: list[list[dict]] = []
     fill, segs = 0, []
-    for doc_id, length, complete, *first in docs:
-        off = first[0] if first else 0
-        end = off + length + (1 if complete else 0)
+    for doc_id, off, length, ends in docs:
+        end = off + length + (1 if ends else 0)
         while off < end:
             take = min(width - fill, end - off)
             segs.append({"doc_id": doc_id, "start": fill, "doc_offset": off, "length": take})
@@ -148,17 +148,17 @@ class _Domain:
         self.order: list[int] = []
         self.epochs = 0
 
-    def next(self) -> tuple[str, int, int, bool]:
-        """The next piece: (doc id, offset, tokens, whether it ends its document)."""
+    def next(self) -> Piece:
+        """The next piece."""
         if not self.order:
             self.order = list(self.rng.permutation(len(self.pieces))[::-1])
             self.epochs += 1
         return self.pieces[self.order.pop()]
 
 
-def _pieces(doc_id: str, n: int, piece: int | None) -> list[tuple[str, int, int, bool]]:
-    """A document of `n` tokens as (doc id, offset, tokens, last) pieces of at most `piece` tokens, as even as
-    whole tokens allow (none: the whole document)."""
+def _pieces(doc_id: str, n: int, piece: int | None) -> list[Piece]:
+    """A document of `n` tokens as pieces of at most `piece` tokens, as even as whole tokens allow (none: the
+    whole document)."""
     k = -(-n // piece) if piece else 1
     cuts = [n * j // k for j in range(k + 1)]
     return [(doc_id, cuts[j], cuts[j + 1] - cuts[j], j == k - 1) for j in range(k)]
@@ -241,7 +241,7 @@ def _heldout_rows(heldout: dict[str, list[str]], length: dict[str, int], seq_len
     """Each domain's held-out documents packed at `seq_len`, in id order: (segments, domain) per row."""
     segs, domains = [], []
     for domain, ids in sorted(heldout.items()):
-        s = pack([(d, length[d], True) for d in sorted(ids)], seq_len)
+        s = pack([(d, 0, length[d], True) for d in sorted(ids)], seq_len)
         segs += s
         domains += [domain] * len(s)
     return segs, domains
@@ -264,10 +264,10 @@ def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:
 
 
 def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
-          domain_tokens: dict[str, int]) -> tuple[list[tuple], dict[str, int]]:
+          domain_tokens: dict[str, int]) -> tuple[list[Piece], dict[str, int]]:
     """The pieces a phase samples, by domain weight, up to its token budget: (drawn, target per domain)."""
     total_w = sum(w for w in ph.weights.values() if w > 0)
-    drawn: list[tuple] = []
+    drawn: list[Piece] = []
     targets = {}
     for domain, weight in sorted(ph.weights.items()):
         if weight <= 0 or domain not in domains:
@@ -277,7 +277,7 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
         while got < target:
             doc_id, offset, n, last = source.next()
             take = min(n, target - got)  # the last piece may be cut to the budget
-            drawn.append((doc_id, take, last and take == n, offset))
+            drawn.append((doc_id, offset, take, last and take == n))
             got += take + last  # a document's last piece is followed by EOS (budgeted even when cut)
         if source.epochs > cfg.max_epochs:
             field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
@@ -289,7 +289,7 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
     return drawn, targets
 
 
-def _packed(ph: Phase, drawn: list[tuple], num_sequences: int,
+def _packed(ph: Phase, drawn: list[Piece], num_sequences: int,
             rng: np.random.Generator) -> list[list[dict]]:
     """The phase's drawn documents shuffled, packed into `num_sequences` sequences, shuffled again."""
     order = rng.permutation(len(drawn))
