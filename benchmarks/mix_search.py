@@ -1,10 +1,11 @@
 """The mixture search against the declared and a uniform mix: the same target trained on each, per seed.
 
 Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies 8] [--store DIR]
-[--mixes W,W,W ... [--width W --layers L] [--batch B]]`. With `--mixes` (weights in the order of the preset's
-`mix.weights`), no search runs: the target trains on each given mix instead (every phase tilted as the search's
-chosen mix would be), the ground truth a search is judged against; with `--width`/`--layers`/`--batch`, a
-proxy of that shape and batch does (benchmark items off: only the held-out losses are read).
+[--mixes W,W,W ... [--width W --layers L] [--batch B] [--lr LR]]`. With `--mixes` (weights in the order of the
+preset's `mix.weights`), no search runs: the target trains on each given mix instead (every phase tilted as the
+search's chosen mix would be), the ground truth a search is judged against; with `--width`/`--layers`/`--batch`/
+`--lr`, a proxy of that shape, batch and peak learning rate does (benchmark items off: only the held-out losses
+are read).
 
 Per seed, three `moeflow run CONFIG --until evaluate` runs of the preset (its ladder off: it does not change the
 target) with `seed` replaced: with `mix.search` (the target trains on the searched mix), on the declared weights,
@@ -53,9 +54,10 @@ def tilted(mix: dict, weights: list[float]) -> dict:
     return {**mix, "weights": new, "phases": phases}
 
 
-def proxy(base: dict, width: int | None, layers: int, batch: int | None) -> dict:
-    """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe) and `batch`, benchmarks off."""
-    if not (width or batch):
+def proxy(base: dict, width: int | None, layers: int, batch: int | None, lr: float | None = None) -> dict:
+    """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe), `batch` and `lr`, benchmarks
+    off."""
+    if not (width or batch or lr):
         return base
     base = {**base, "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
     if width:
@@ -63,6 +65,8 @@ def proxy(base: dict, width: int | None, layers: int, batch: int | None) -> dict
         base["model"] = model.model_dump(mode="json", exclude_defaults=True)
     if batch:
         base["train"] = {**base["train"], "batch_size": batch}
+    if lr:
+        base["train"] = {**base["train"], "lr": lr}
     return base
 
 
@@ -106,6 +110,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=None, help="with --mixes: a proxy of this d_model")
     p.add_argument("--layers", type=int, default=1, help="with --width: its layers")
     p.add_argument("--batch", type=int, default=None, help="with --mixes: this batch size")
+    p.add_argument("--lr", type=float, default=None, help="with --mixes: this peak learning rate")
     args = p.parse_args()
     base = yaml.safe_load(configs.resolve(args.preset).read_text())
     if args.store:
@@ -114,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         if args.mixes:
             mixes = [[float(x) for x in m.split(",")] for m in args.mixes]
-            shaped = proxy(base, args.width, args.layers, args.batch)
+            shaped = proxy(base, args.width, args.layers, args.batch, args.lr)
             runs = [r for seed in args.seeds for r in grid(shaped, seed, mixes, Path(work))]
             print(json.dumps({"preset": args.preset, "grid": runs}))
             return
