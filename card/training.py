@@ -110,6 +110,7 @@ def mix_search(ms: dict, ev: dict) -> dict:
     return {
         "proxies": len(p["proxies"]),
         "fraction": f"{p['proxy_fraction']:.1%}",
+        "tokens": f"{p['proxy_token_fraction']:.1%}" if "proxy_token_fraction" in p else "an unrecorded share",
         "rho": f"{p['loo_rank_correlation']:.3f}",
         "rho_per_domain": ", ".join(f"{d} {r:.3f}" for d, r in sorted(p["loo_rank_correlation_per_domain"].items())),
         "objective_rho": f"{p['loo_objective_rank_correlation']:.3f}",

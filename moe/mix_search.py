@@ -160,14 +160,17 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
             held = evaluate.run(ev, train_dir=inputs[name].dir, mix_dir=inputs["proxy_mix0"].dir, out=Path(tmp))
         stats = json.loads((inputs[name].dir / "lineage.json").read_text())["stats"]
         rows.append({"proxy": name, "weights": w, "flops": stats["flops"], "steps": stats["steps"],
-                     "heldout": {d: v["loss"] for d, v in held["heldout"].items()}})
+                     "tokens": stats["tokens"], "heldout": {d: v["loss"] for d, v in held["heldout"].items()}})
         rows[-1]["objective"] = search.reduce(rows[-1]["heldout"])
     chosen = choose(s, mixes, [r["heldout"] for r in rows], _domain_tokens(inputs["shards"].dir))
     vocab = tokenizer.load(inputs["tokenizer"].dir).get_vocab_size()
     target, _ = ladder.flops(s["model"], s["train"], vocab, [(p.steps, p.seq_len) for p in s["phases"]])
+    tokens = sum(p.steps * p.seq_len for p in s["phases"]) * s["train"].batch_size
     result = {"registered_at": datetime.now(UTC).isoformat(timespec="seconds"),
               "objective": search.objective, "declared": s["weights"], **chosen, "proxies": rows,
               "proxy_flops": sum(r["flops"] for r in rows), "target_flops": target,
-              "proxy_fraction": sum(r["flops"] for r in rows) / target}
+              "proxy_fraction": sum(r["flops"] for r in rows) / target,
+              # what decides whether proxies rank mixes as the target will (benchmarks/README.md, mix_search.py)
+              "proxy_token_fraction": max(r["tokens"] for r in rows) / tokens}
     (out / "search.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     return result  # in lineage too: the card's section reads it there

@@ -129,6 +129,9 @@ def test_the_search_is_registered_before_the_mix_and_changes_it(prefect_server, 
     assert held["proxy_mix0"] == held["proxy_mix3"] == held["mix"]
     text = Path(out["card"]).read_text()
     assert "## Mixture search" in text and f"| {search['proxies'][3]['objective']:.4f} |" in text
+    steps = lin["train"]["stats"]["steps"]  # every proxy trains the target's batch and curriculum, fewer steps
+    assert search["proxy_token_fraction"] == pytest.approx(search["proxies"][0]["steps"] / steps, rel=0.05)
+    assert f"each trained on {search['proxy_token_fraction']:.1%} of the target's training tokens" in text
     # the card's section is lineage alone: without search.json it renders the same
     (Path(out["stages"]["mix_search"]["artifact"]) / "search.json").unlink()
     graph = card.collect([Path(out["stages"]["evaluate"]["artifact"])])
