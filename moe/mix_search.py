@@ -170,7 +170,7 @@ def stage(s: dict, inputs: dict, out: Path) -> dict:
               "objective": search.objective, "declared": s["weights"], **chosen, "proxies": rows,
               "proxy_flops": sum(r["flops"] for r in rows), "target_flops": target,
               "proxy_fraction": sum(r["flops"] for r in rows) / target,
-              # what decides whether proxies rank mixes as the target will (benchmarks/README.md, mix_search.py)
+              # how far into the target's training the proxies got (benchmarks/README.md, mix_search.py)
               "proxy_token_fraction": max(r["tokens"] for r in rows) / tokens}
     (out / "search.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     return result  # in lineage too: the card's section reads it there
