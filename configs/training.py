@@ -31,9 +31,14 @@ class ModelConfig(Frozen):
     normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
     # true: the LM head is the embedding matrix (GPT-2, nanoGPT); false: its own matrix (Llama, OLMo)
     tie_embeddings: bool = True
+    # the LM head predicts each next token's class, its id modulo this, in place of the token: a head this
+    # many rows wide, for a mixture search's cheap proxies (`mix.search.output_classes`); none: the token
+    output_classes: int | None = Field(default=None, gt=1)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.output_classes is not None and self.tie_embeddings:
+            raise ValueError("output_classes needs tie_embeddings: false (the head is not the embedding)")
         if self.d_model % self.n_heads:
             raise ValueError("d_model must be divisible by n_heads")
         if (self.d_model // self.n_heads) % 2:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from moeflow.configs import EvalConfig, ModelConfig
+from moeflow.configs import ConfigError, EvalConfig, ModelConfig
 from moeflow.moe import device, scores
 from moeflow.moe.data import sequences
 from moeflow.moe.model import Transformer
@@ -46,6 +46,10 @@ def benchmarks(cfg: EvalConfig, inputs: dict, out: Path) -> dict:
     # float64: a request's log-likelihood must not depend on the batch it was padded into (float32 sums
     # of ~100-nat continuations differ by more than 1e-5 between batch shapes)
     model = load_model(inputs["model"].dir).to(dev).double()
+    if model.cfg.output_classes is not None:
+        raise ConfigError(f"evaluate: the model at {inputs['model'].dir} predicts token classes "
+                          "(model.output_classes), not tokens: benchmarks score tokens; set "
+                          "evaluate.benchmark_items: 0")
     tok = tokenizer.load(inputs["tokenizer"].dir)
     window = model.rope_cos.shape[0]  # the model's max_seq_len
     return score(model, tok, tok.token_to_id(tokenizer.EOS), window, dev, inputs["index"].dir,
@@ -103,7 +107,8 @@ def row_losses(model: Transformer, rows: np.ndarray, dev: torch.device) -> np.nd
     for i in range(0, len(rows), 8):
         batch_BS = device.batch(rows[i : i + 8], dev)
         logits_BSV, _ = model(batch_BS[:, :-1])
-        ce_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), batch_BS[:, 1:], reduction="none")
+        next_BS = model.targets(batch_BS[:, 1:])
+        ce_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), next_BS, reduction="none")
         out.extend(ce_BS.mean(1).tolist())
     return np.asarray(out, dtype=np.float64)
 

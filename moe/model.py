@@ -98,7 +98,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         # skip_init: no draws of its own, so every other parameter gets the draws it gets when tied
-        self.head = None if cfg.tie_embeddings else nn.utils.skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
+        rows = cfg.output_classes or vocab_size
+        self.head = None if cfg.tie_embeddings else nn.utils.skip_init(nn.Linear, cfg.d_model, rows, bias=False)
         init_weights(self, cfg.n_layers)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -118,6 +119,10 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: the embedding matrix when tied, else its own."""
         return hidden @ self.embed.weight.T if self.head is None else self.head(hidden)
+
+    def targets(self, next_BS: torch.Tensor) -> torch.Tensor:
+        """What the head predicts of the next tokens: the tokens, or with `output_classes` their classes."""
+        return next_BS if self.cfg.output_classes is None else next_BS % self.cfg.output_classes
 
     def attention_inputs(self, tokens_BS: torch.Tensor) -> tuple:
         """(cos, sin, mask) for every block: the row's positions and causal attention, or, with
@@ -158,7 +163,7 @@ def lm_loss(
     """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
     logits_BSV, auxes = model(batch_BS[:, :-1])
     logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
-    ce = F.cross_entropy(logits, batch_BS[:, 1:].reshape(-1))
+    ce = F.cross_entropy(logits, model.targets(batch_BS[:, 1:]).reshape(-1))
     # only when asked: a logsumexp over every logit costs about a tenth of a tiny model's step
     z = torch.logsumexp(logits, dim=-1).square().mean() if logit_z else ce.new_zeros(())
     return ce, auxes, z

@@ -217,3 +217,27 @@ def test_an_untied_head_is_its_own_matrix_in_training_scoring_and_flops():
     assert untied.flops_per_token(16) == tied.flops_per_token(16)
     assert untied.num_params()["active"] == tied.num_params()["active"] + 50 * MOE.d_model
 
+
+
+def test_a_head_over_token_classes_predicts_each_next_token_modulo_its_width():
+    """`output_classes` (a mixture search's cheap proxy): the head has that many rows, training's loss and
+    evaluation's held-out loss are the cross-entropy of each next token's class (its id modulo the width),
+    and the FLOPs estimate shrinks with the head; a tied head cannot be one."""
+    from moeflow.moe.evaluate import row_losses
+
+    cfg = MOE.model_copy(update={"tie_embeddings": False, "output_classes": 7})
+    torch.manual_seed(0)
+    model = Transformer(cfg, vocab_size=50, max_seq_len=16)
+    assert model.head.weight.shape == (7, MOE.d_model)
+    tokens = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        logits, _ = model(tokens[:, :-1])
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), (tokens[:, 1:] % 7).reshape(-1))
+        ce, _, _ = lm_loss(model, tokens)
+    assert logits.shape[-1] == 7
+    assert ce.item() == pytest.approx(want.item(), rel=1e-6)
+    assert row_losses(model, tokens.numpy(), torch.device("cpu")).mean() == pytest.approx(ce.item(), rel=1e-5)
+    full = Transformer(cfg.model_copy(update={"output_classes": None}), vocab_size=50, max_seq_len=16)
+    assert full.flops_per_token(16) - model.flops_per_token(16) == 6 * (50 - 7) * MOE.d_model
+    with pytest.raises(ValueError, match="output_classes needs tie_embeddings: false"):
+        ModelConfig(**{**MOE.model_dump(), "output_classes": 7})
