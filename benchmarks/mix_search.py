@@ -1,11 +1,11 @@
 """The mixture search against the declared and a uniform mix: the same target trained on each, per seed.
 
-Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies 8] [--store DIR]
-[--mixes W,W,W ... [--width W --layers L] [--batch B] [--lr LR]]`. With `--mixes` (weights in the order of the
-preset's `mix.weights`), no search runs: the target trains on each given mix instead (every phase tilted as the
-search's chosen mix would be), the ground truth a search is judged against; with `--width`/`--layers`/`--batch`/
-`--lr`, a proxy of that shape, batch and peak learning rate does (benchmark items off: only the held-out losses
-are read).
+Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies K] [--store DIR]
+[--mixes W,W,W ... [--width W --layers L] [--batch B] [--lr LR] [--classes C]]`. With `--mixes` (weights in the
+order of the preset's `mix.weights`), no search runs: the target trains on each given mix instead (every phase
+tilted as the search's chosen mix would be), the ground truth a search is judged against; with `--width`/
+`--layers`/`--batch`/`--lr`/`--classes`, a proxy of that shape, batch, peak learning rate and output classes does
+(benchmark items off: only the held-out losses are read).
 
 Per seed, three `moeflow run CONFIG --until evaluate` runs of the preset (its ladder off: it does not change the
 target) with `seed` replaced: with `mix.search` (the target trains on the searched mix), on the declared weights,
@@ -54,10 +54,11 @@ def tilted(mix: dict, weights: list[float]) -> dict:
     return {**mix, "weights": new, "phases": phases}
 
 
-def proxy(base: dict, width: int | None, layers: int, batch: int | None, lr: float | None = None) -> dict:
-    """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe), `batch` and `lr`, benchmarks
-    off."""
-    if not (width or batch or lr):
+def proxy(base: dict, width: int | None, layers: int, batch: int | None, lr: float | None = None,
+          classes: int | None = None) -> dict:
+    """`base` at a proxy's `width` x `layers` (the ladder's scaling of the recipe), `batch`, `lr` and output
+    classes, benchmarks off."""
+    if not (width or batch or lr or classes):
         return base
     base = {**base, "evaluate": {**(base.get("evaluate") or {}), "benchmark_items": 0}}
     if width:
@@ -67,6 +68,8 @@ def proxy(base: dict, width: int | None, layers: int, batch: int | None, lr: flo
         base["train"] = {**base["train"], "batch_size": batch}
     if lr:
         base["train"] = {**base["train"], "lr": lr}
+    if classes:
+        base["model"] = {**base["model"], "output_classes": classes}
     return base
 
 
@@ -83,9 +86,9 @@ def grid(base: dict, seed: int, mixes: list[list[float]], work: Path) -> list[di
     return out
 
 
-def one_seed(base: dict, seed: int, proxies: int, work: Path) -> dict:
+def one_seed(base: dict, seed: int, proxies: int | None, work: Path) -> dict:
     base = {**base, "seed": seed, "ladder": None}
-    search = configs.MixSearchConfig(proxies=proxies)
+    search = configs.MixSearchConfig(**({"proxies": proxies} if proxies else {}))
     searched = run_config({**base, "mix": {**base["mix"], "search": search.model_dump(mode="json")}},
                           f"search-{seed}", work)
     declared = run_config(base, f"declared-{seed}", work)
@@ -104,13 +107,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
-    p.add_argument("--proxies", type=int, default=8)
+    p.add_argument("--proxies", type=int, default=None, help="proxies (default: mix.search's default)")
     p.add_argument("--store", default=None, help="artifact store (default: the config's own)")
     p.add_argument("--mixes", nargs="+", default=None, help="train the target on these mixes (W,W,W), no search")
     p.add_argument("--width", type=int, default=None, help="with --mixes: a proxy of this d_model")
     p.add_argument("--layers", type=int, default=1, help="with --width: its layers")
     p.add_argument("--batch", type=int, default=None, help="with --mixes: this batch size")
     p.add_argument("--lr", type=float, default=None, help="with --mixes: this peak learning rate")
+    p.add_argument("--classes", type=int, default=None, help="with --mixes: an LM head over this many token classes")
     args = p.parse_args()
     base = yaml.safe_load(configs.resolve(args.preset).read_text())
     if args.store:
@@ -119,7 +123,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         if args.mixes:
             mixes = [[float(x) for x in m.split(",")] for m in args.mixes]
-            shaped = proxy(base, args.width, args.layers, args.batch, args.lr)
+            shaped = proxy(base, args.width, args.layers, args.batch, args.lr, args.classes)
             runs = [r for seed in args.seeds for r in grid(shaped, seed, mixes, Path(work))]
             print(json.dumps({"preset": args.preset, "grid": runs}))
             return

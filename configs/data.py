@@ -290,10 +290,14 @@ class MixSearchConfig(Frozen):
     """Proxy runs on mixes drawn around the declared weights, a regression from weights to the objective, and
     the mix it predicts best (`moe/mix_search.py`)."""
 
-    proxies: int = Field(default=8, ge=4)  # proxy models, each on its own mix (the first: the declared one)
+    proxies: int = Field(default=7, ge=4)  # proxy models, each on its own mix (the first: the declared one)
     width: int = Field(default=32, gt=0)  # their d_model (a multiple of the target's head width)
     layers: int = Field(default=1, gt=0)
-    budget_fraction: float = Field(default=0.2, gt=0, le=0.25)  # all proxies' FLOPs / the target's
+    # their LM head predicts each next token's class (its id modulo this) in place of the token: a head this
+    # wide in place of the vocabulary's, which is most of a narrow proxy's FLOPs (none, or at least the
+    # vocabulary's size: the tokens themselves)
+    output_classes: int | None = Field(default=1024, gt=1)
+    budget_fraction: float = Field(default=0.25, gt=0, le=0.25)  # all proxies' FLOPs / the target's
     min_steps: int = Field(default=10, ge=2)
     # Dirichlet concentration around the declared weights: alpha_d = concentration * w_d (higher: closer)
     concentration: float = Field(default=8.0, gt=0)

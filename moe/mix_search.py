@@ -53,8 +53,11 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     mixes = [declared] + draws(declared, s.concentration, s.proxies - 1, cfg.seed)
     target, _ = ladder.flops(cfg.model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
     model = ladder._model(cfg.model, s.width, s.layers)
+    if s.output_classes and s.output_classes < vocab:
+        model = model.model_copy(update={"output_classes": s.output_classes, "tie_embeddings": False})
     full, _ = ladder.flops(model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
-    steps = max(s.min_steps, round(s.budget_fraction * target / s.proxies / (full / cfg.train.steps)))
+    affordable = int(s.budget_fraction * target / s.proxies / (full / cfg.train.steps))  # within the budget
+    steps = max(s.min_steps, min(cfg.train.steps, affordable))  # never past the target's own length
     train = cfg.train.model_copy(update={
         "steps": steps, "warmup_steps": round(cfg.train.warmup_steps * steps / cfg.train.steps),
         "checkpoint_every": steps})

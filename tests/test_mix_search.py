@@ -84,6 +84,24 @@ def test_without_out_of_sample_support_the_declared_mix_is_kept():
     assert mix_search.inside(lax["weights"], mixes, list(s["weights"]))
 
 
+def test_proxies_with_a_class_head_train_longer_for_the_same_budget():
+    """`output_classes` shrinks the proxies' head, so the budget buys more steps, never past the target's."""
+    cfg = configs.load("tiny")
+    search = configs.MixSearchConfig(proxies=7, budget_fraction=0.25, output_classes=None)
+    vocab = cfg.tokenizer.vocab_size
+    full = mix_search.plan(cfg.model_copy(update={"mix": cfg.mix.model_copy(update={"search": search})}), vocab)
+    assert all(p["cfg"].model.output_classes is None for p in full)
+    cheap = cfg.mix.model_copy(update={"search": search.model_copy(update={"output_classes": 1024})})
+    classes = mix_search.plan(cfg.model_copy(update={"mix": cheap}), vocab)
+    assert all(p["cfg"].model.output_classes == 1024 and not p["cfg"].model.tie_embeddings for p in classes)
+    steps = [p["cfg"].train.steps for p in (full[0], classes[0])]
+    assert steps[0] < steps[1] <= cfg.train.steps
+    assert sum(p["flops"] for p in classes) <= sum(p["flops"] for p in full) * 1.05
+    wide = search.model_copy(update={"output_classes": vocab})  # no narrower than the vocabulary: the tokens
+    plain = mix_search.plan(cfg.model_copy(update={"mix": cfg.mix.model_copy(update={"search": wide})}), vocab)
+    assert plain[0]["cfg"].model == full[0]["cfg"].model
+
+
 def test_tilting_keeps_the_curriculum_shape():
     mix = configs.load("smoke").mix
     new = mix.tilted({"literature": 0.8, "python_docs": 0.1, "kernel_docs": 0.1})
