@@ -126,6 +126,39 @@ def test_every_packed_token_traces_to_its_document(built, tmp_path, piece_tokens
     assert abs(shares["a"] / sum(shares.values()) - 0.5) < 0.05
 
 
+def test_two_mixes_at_one_seed_share_their_draws_and_order(built, tmp_path):
+    """Common random numbers: a mix that moves a tenth of the weight trains on the same text in nearly the same
+    order, but for what the weights change (before them, every draw and shuffle was redrawn)."""
+    tok_dir, store_dir, _ = built
+    rows = {}
+    for w in (0.5, 0.6):
+        out = tmp_path / str(w)
+        out.mkdir()
+        mix.run(MixConfig(weights={"a": w, "b": 1 - w}, heldout={"fraction": 0.1}, piece_tokens=64), seed=3,
+                phases=[_phase("main", 0, 20, 32, {"a": w, "b": 1 - w})], batch_size=4, store_dir=store_dir,
+                tokenizer_dir=tok_dir, out=out, leakage=False)
+        segs = mix.read(out / "train.arrow").column("segments").to_pylist()
+        rows[w] = [_middle(r, 33) for r in segs]
+    same = [r for r in rows[0.5] if r in set(rows[0.6])]
+    assert len(same) >= 0.6 * len(rows[0.5])  # the same text: at least half a row's tokens, the middle one's
+    at = {r: i for i, r in enumerate(rows[0.6])}
+    steps = np.array([at[r] for r in same]) // 4  # the step each shared row trains at in the other mix
+    assert np.mean(np.abs(steps - np.array([rows[0.5].index(r) for r in same]) // 4)) < 1  # redrawn: 4.9 of 20
+    other = tmp_path / "seed"
+    other.mkdir()
+    mix.run(MixConfig(weights={"a": 0.5, "b": 0.5}, heldout={"fraction": 0.1}, piece_tokens=64), seed=4,
+            phases=[_phase("main", 0, 20, 32, {"a": 0.5, "b": 0.5})], batch_size=4, store_dir=store_dir,
+            tokenizer_dir=tok_dir, out=other, leakage=False)
+    reseeded = {_middle(r, 33) for r in mix.read(other / "train.arrow").column("segments").to_pylist()}
+    assert len(reseeded & set(rows[0.5])) < 0.3 * len(rows[0.5])  # another seed: other draws
+
+
+def _middle(segs: list[dict], width: int) -> tuple[str, int]:
+    """The document of a row's middle token and which stretch of `width` tokens of it that token is in."""
+    s = next(s for s in segs if s["start"] <= width // 2 < s["start"] + s["length"])
+    return s["doc_id"], (s["doc_offset"] + width // 2 - s["start"]) // width
+
+
 def test_pieces_cut_documents_evenly_and_spread_a_small_budget(built, tmp_path):
     assert mix._pieces("d", 10, 4) == [("d", 0, 3, False), ("d", 3, 3, False), ("d", 6, 4, True)]
     assert mix._pieces("d", 10, None) == mix._pieces("d", 10, 10) == [("d", 0, 10, True)]

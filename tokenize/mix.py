@@ -5,8 +5,11 @@ their overlap with the training documents is measured (`leakage.json`). Training
 `mix.piece_tokens`, pieces of them) are drawn per domain in a seeded order until the domain has its share
 of the token budget, repeating a domain's documents (epochs) when it is too small; repetitions are recorded.
 The drawn pieces are shuffled together and packed, separated by the end-of-text token where a document
-ends, into sequences of `seq_len + 1` tokens, which are shuffled
-again so that no long document fills consecutive batches.
+ends, into sequences of `seq_len + 1` tokens, which are shuffled again so that no long document fills
+consecutive batches. Every draw is a common random number: each domain draws its pieces, and their places in
+the shuffle, from streams of its own, and a sequence's place is a hash of the text at its middle. Two mixes
+at one seed then train on the same pieces, in nearly the same order, but for what their weights change, so
+comparing them (a mixture search's proxies, or targets) measures the weights, not a reshuffle.
 The run is a curriculum of phases (`mix.phases`), each with its own domain weights, budget in steps and
 context length; a domain's documents are drawn in seeded permutations that carry on from phase to
 phase, and repeating a domain more than `mix.max_epochs` times is a config error.
@@ -20,11 +23,13 @@ sequence with the segments it holds: (doc_id, position in the sequence, offset i
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from moeflow.configs import ConfigError, MixConfig, Phase
 from moeflow.quality import buckets
@@ -138,22 +143,30 @@ def _write_all(out: Path, store_dir: Path, eos: int, vocab_size: int, train: lis
     scratch.unlink()
 
 
+def _stream(seed: int, *names: object) -> np.random.Generator:
+    """The run seed's random stream named `names`: its draws do not depend on what any other stream drew."""
+    return np.random.default_rng([seed, *(zlib.crc32(str(n).encode()) for n in names)])
+
+
 class _Domain:
     """A domain's training text, drawn in seeded permutations that carry on across phases: whole documents,
-    or with `piece` each document cut into equal pieces of at most `piece` tokens, drawn apart."""
+    or with `piece` each document cut into equal pieces of at most `piece` tokens, drawn apart. Each piece
+    drawn comes with a key, its place in the phase's shuffle. Both come from the domain's own streams, so a
+    mix that draws more of a domain draws the same pieces first, with the same keys (common random numbers:
+    two mixes' runs differ by their weights, not by a reshuffle)."""
 
-    def __init__(self, ids: list[str], rng: np.random.Generator, length: dict[str, int], piece: int | None):
+    def __init__(self, name: str, ids: list[str], seed: int, length: dict[str, int], piece: int | None):
         self.pieces = [p for i in ids for p in _pieces(i, length[i], piece)]
-        self.rng = rng
+        self.rng, self.keys = _stream(seed, "draw", name), _stream(seed, "order", name)
         self.order: list[int] = []
         self.epochs = 0
 
-    def next(self) -> Piece:
-        """The next piece."""
+    def next(self) -> tuple[Piece, float]:
+        """The next piece and its key."""
         if not self.order:
             self.order = list(self.rng.permutation(len(self.pieces))[::-1])
             self.epochs += 1
-        return self.pieces[self.order.pop()]
+        return self.pieces[self.order.pop()], float(self.keys.random())
 
 
 def _pieces(doc_id: str, n: int, piece: int | None) -> list[Piece]:
@@ -202,13 +215,12 @@ def run(
     train, heldout = heldout_split.split(_by_domain(index, phases), cfg.heldout)
     train, phases, bucket_of = buckets.split(cfg, train, scores, length, phases)
     labelled = [{**r, "domain": bucket_of.get(r["doc_id"], r["domain"])} for r in index] if bucket_of else index
-    rng = np.random.default_rng(seed)
-    domains = {d: _Domain(ids, rng, length, cfg.piece_tokens) for d, ids in sorted(train.items()) if ids}
+    domains = {d: _Domain(d, ids, seed, length, cfg.piece_tokens) for d, ids in sorted(train.items()) if ids}
     domain_tokens = {d: sum(length[i] + 1 for i in ids) for d, ids in train.items()}
     all_segments, phase_col, plan = [], [], []
     for ph in phases:
         drawn, targets = _draw(cfg, ph, ph.steps * batch_size * (ph.seq_len + 1), domains, domain_tokens)
-        segments = _packed(ph, drawn, ph.steps * batch_size, rng)
+        segments = _packed(ph, drawn, ph.steps * batch_size, seed)
         all_segments += segments
         phase_col += [ph.index] * len(segments)
         plan.append(_phase_record(ph, segments, targets, labelled, domains))
@@ -264,10 +276,11 @@ def _by_domain(index: list[dict], phases: list[Phase]) -> dict[str, list[str]]:
 
 
 def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
-          domain_tokens: dict[str, int]) -> tuple[list[Piece], dict[str, int]]:
-    """The pieces a phase samples, by domain weight, up to its token budget: (drawn, target per domain)."""
+          domain_tokens: dict[str, int]) -> tuple[list[tuple[Piece, float]], dict[str, int]]:
+    """The pieces a phase samples, by domain weight, up to its token budget, each with its key: (drawn, target
+    per domain)."""
     total_w = sum(w for w in ph.weights.values() if w > 0)
-    drawn: list[Piece] = []
+    drawn: list[tuple[Piece, float]] = []
     targets = {}
     for domain, weight in sorted(ph.weights.items()):
         if weight <= 0 or domain not in domains:
@@ -275,9 +288,9 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
         target = targets[domain] = int(budget * weight / total_w) + 1
         got, source = 0, domains[domain]
         while got < target:
-            doc_id, offset, n, last = source.next()
+            (doc_id, offset, n, last), key = source.next()
             take = min(n, target - got)  # the last piece may be cut to the budget
-            drawn.append((doc_id, offset, take, last and take == n))
+            drawn.append(((doc_id, offset, take, last and take == n), key))
             got += take + last  # a document's last piece is followed by EOS (budgeted even when cut)
         if source.epochs > cfg.max_epochs:
             field = f"mix.phases.{ph.index}" if cfg.phases else "mix.weights"
@@ -289,17 +302,26 @@ def _draw(cfg: MixConfig, ph: Phase, budget: int, domains: dict[str, _Domain],
     return drawn, targets
 
 
-def _packed(ph: Phase, drawn: list[Piece], num_sequences: int,
-            rng: np.random.Generator) -> list[list[dict]]:
-    """The phase's drawn documents shuffled, packed into `num_sequences` sequences, shuffled again."""
-    order = rng.permutation(len(drawn))
-    segments = pack([drawn[i] for i in order], ph.seq_len, max_sequences=num_sequences)
+def _packed(ph: Phase, drawn: list[tuple[Piece, float]], num_sequences: int, seed: int) -> list[list[dict]]:
+    """The phase's drawn documents shuffled (in the order of their keys), packed into `num_sequences`
+    sequences, shuffled again (in the order of `_row_key`)."""
+    segments = pack([p for p, _ in sorted(drawn, key=lambda x: x[1])], ph.seq_len, max_sequences=num_sequences)
     if len(segments) < num_sequences:
         raise ValueError(f"mix: phase {ph.name!r} packed only {len(segments)} of {num_sequences} sequences")
     # Shuffle the packed sequences too: a long document (a play is ~400 sequences) would otherwise
     # fill many consecutive batches, and the loss would swing with whatever document is current.
-    perm = rng.permutation(len(segments))
-    return [segments[i] for i in perm]
+    return sorted(segments, key=lambda segs: _row_key(segs, ph, seed))
+
+
+def _row_key(segs: list[dict], ph: Phase, seed: int) -> int:
+    """A sequence's place in the phase's shuffle: a hash of the stretch of `seq_len + 1` tokens of its document
+    that holds its middle token. Another mix that packs the same text at another alignment puts its sequence
+    with the same middle stretch (at least half the same tokens) in the same place, before other keys."""
+    width = ph.seq_len + 1
+    mid = width // 2
+    s = next(s for s in segs if s["start"] <= mid < s["start"] + s["length"])
+    block = (s["doc_offset"] + mid - s["start"]) // width
+    return xxhash.xxh3_64_intdigest(f"{seed}/{ph.index}/{s['doc_id']}/{block}".encode())
 
 
 def _phase_record(ph: Phase, segments: list[list[dict]], targets: dict[str, int], index: list[dict],
