@@ -2,9 +2,11 @@
 
 RegMix's recipe at this project's scale. Proxy 0 trains on the declared weights, the others on Dirichlet draws
 (alpha_d = `concentration` * w_d, seeded by the run's seed) over the domains the declared mix uses; every
-proxy is the target's recipe at `width` x `layers`, on its own mix of the whole curriculum (each phase's
-weights tilted by the draw: `MixConfig.tilted`), and all of them together cost `budget_fraction` of the
-target's training FLOPs. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all)
+proxy is the target's recipe at `width` x `layers`, its LM head over `output_classes` token classes (each next
+token's id modulo their number) in place of the vocabulary, on its own mix of the whole curriculum (each phase's
+weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the same text first, `tokenize/mix.py`),
+and all of them together cost at most `budget_fraction` of the target's training FLOPs, none training longer
+than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all)
 are what the regression fits, per domain: loss_d ~ c_d + b_d * log(w_d), a domain's diminishing return on its own
 share (two coefficients a domain from K proxies, least squares; its predicted objective reduces the predicted
 losses as `objective` says). Its out-of-sample quality is the Spearman rank correlation of leave-one-out
