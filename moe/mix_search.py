@@ -6,10 +6,12 @@ proxy is the target's recipe at `width` x `layers`, its LM head over `output_cla
 token's id modulo their number) in place of the vocabulary, on its own mix of the whole curriculum (each phase's
 weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the same text first, `tokenize/mix.py`),
 and all of them together cost at most `budget_fraction` of the target's training FLOPs, none training longer
-than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all)
-are what the regression fits, per domain: loss_d ~ c_d + b_d * log(w_d), a domain's diminishing return on its own
-share (two coefficients a domain from K proxies, least squares; its predicted objective reduces the predicted
-losses as `objective` says). Its out-of-sample quality is the Spearman rank correlation of leave-one-out
+than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all) is what
+the regression fits, per domain: loss_d ~ c_d + sum_j b_dj * log(w_j), a domain's diminishing return on its own
+share (b_dd) and what the other domains teach it (b_dj, transfer), by least squares with a ridge penalty on the
+transfer coefficients; the penalty (none to infinite, the latter a law of the domain's own weight alone) is the
+one of `RIDGES` whose fit predicts the proxies it leaves out best. The predicted objective reduces the predicted
+losses as `objective` says. Its out-of-sample quality is the Spearman rank correlation of leave-one-out
 predictions with the proxies' domain losses, averaged over domains (the objective's own is recorded beside it:
 the objective moves least of all, as its domains pull against each other). The chosen mix is the draw (among
 `CANDIDATES` from the same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the
@@ -22,6 +24,7 @@ time, before the target's mix is built.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +40,8 @@ from moeflow.tokenize import tokenizer
 
 CANDIDATES = 4096  # Dirichlet draws the chosen mix is picked from
 FLOOR = 1e-4  # weights are clipped here before the log
+# ridge penalties the fit chooses among by leave-one-out error (inf: no transfer between domains)
+RIDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
 
 
 def draws(weights: dict[str, float], concentration: float, n: int, seed: int) -> list[dict[str, float]]:
@@ -77,27 +82,50 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     return out
 
 
-def fit(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str]) -> dict:
-    """Per domain, its held-out loss ~ c_d + b_d * log(w_d), by least squares over the proxies."""
+def _design(mixes: list[dict[str, float]], domains: list[str]) -> np.ndarray:
+    return np.c_[np.ones(len(mixes)), np.log([[max(m[d], FLOOR) for d in domains] for m in mixes])]
+
+
+def fit(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str],
+        ridge: float = math.inf) -> dict[str, list[float]]:
+    """Per domain d, its held-out loss ~ c_d + sum_j b_dj * log(w_j) over the domains j: [c_d, b_d1, ...], by
+    least squares over the proxies, the other domains' coefficients (transfer) shrunk by a ridge penalty
+    `ridge` (inf: none, a domain's loss depends on its own weight alone)."""
+    X, n = _design(mixes, domains), len(domains)
     law = {}
-    for d in domains:
-        x = np.log([max(m[d], FLOOR) for m in mixes])
-        (c, b), *_ = np.linalg.lstsq(np.c_[np.ones(len(x)), x], [loss[d] for loss in losses], rcond=None)
-        law[d] = (float(c), float(b))
+    for k, d in enumerate(domains):
+        y = np.array([loss[d] for loss in losses])
+        if math.isinf(ridge):
+            (c, b), *_ = np.linalg.lstsq(X[:, [0, k + 1]], y, rcond=None)
+            law[d] = [float(c)] + [float(b) if j == k else 0.0 for j in range(n)]
+            continue
+        penalty = np.sqrt(ridge) * np.diag([0.0] + [0.0 if j == k else 1.0 for j in range(n)])
+        coef, *_ = np.linalg.lstsq(np.r_[X, penalty], np.r_[y, np.zeros(n + 1)], rcond=None)
+        law[d] = [float(v) for v in coef]
     return law
 
 
-def predict(law: dict, mixes: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{d: c + b * float(np.log(max(m[d], FLOOR))) for d, (c, b) in law.items()} for m in mixes]
+def predict(law: dict[str, list[float]], mixes: list[dict[str, float]]) -> list[dict[str, float]]:
+    X = _design(mixes, list(law))
+    return [{d: float(row @ np.array(coef)) for d, coef in law.items()} for row in X]
 
 
-def loo(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str]) -> list[dict]:
+def loo(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str],
+        ridge: float = math.inf) -> list[dict]:
     """Each proxy's domain losses as predicted by a fit on the other proxies."""
     out = []
     for k in range(len(mixes)):
         rest = [i for i in range(len(mixes)) if i != k]
-        out += predict(fit([mixes[i] for i in rest], [losses[i] for i in rest], domains), [mixes[k]])
+        out += predict(fit([mixes[i] for i in rest], [losses[i] for i in rest], domains, ridge), [mixes[k]])
     return out
+
+
+def select_ridge(mixes: list[dict[str, float]], losses: list[dict[str, float]], domains: list[str]) -> float:
+    """The ridge of `RIDGES` whose fit predicts the proxies it leaves out best (squared error, summed over
+    domains); on a tie the larger, the simpler law."""
+    def error(r: float) -> float:
+        return sum((p[d] - y[d]) ** 2 for p, y in zip(loo(mixes, losses, domains, r), losses) for d in domains)
+    return min(reversed(RIDGES), key=error)
 
 
 def _rho(a: list[float], b: list[float]) -> float:
@@ -115,10 +143,12 @@ def epochs(w: dict[str, float], s: dict, domain_tokens: dict[str, int]) -> dict[
 
 
 def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_tokens: dict[str, int]) -> dict:
-    """The per-domain fit, its leave-one-out rank correlations, and the feasible candidate it predicts best."""
+    """The fit (its ridge chosen by leave-one-out error), its leave-one-out rank correlations, and the feasible
+    candidate it predicts best."""
     search = s["search"]
     domains = [d for d, w in s["weights"].items() if w > 0]
-    law, held = fit(mixes, losses, domains), loo(mixes, losses, domains)
+    ridge = select_ridge(mixes, losses, domains)
+    law, held = fit(mixes, losses, domains, ridge), loo(mixes, losses, domains, ridge)
     per_domain = {d: _rho([p[d] for p in held], [loss[d] for loss in losses]) for d in domains}
     rho = float(np.mean(list(per_domain.values())))
     seen = [{d: loss[d] for d in domains} for loss in losses]
@@ -132,7 +162,8 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
     best, why = int(feasible[0]), "the fit's lowest predicted objective"
     if not rho >= search.min_rank_correlation:  # (nan too) the proxies do not support moving the mix
         best, why = 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
-    return {"law": {d: {"c": c, "b": b} for d, (c, b) in law.items()}, "loo_rank_correlation": rho,
+    return {"law": {d: {"c": c[0], "b": dict(zip(domains, c[1:]))} for d, c in law.items()},
+            "ridge": None if math.isinf(ridge) else ridge, "loo_rank_correlation": rho,
             "loo_rank_correlation_per_domain": per_domain, "loo_objective_rank_correlation": objective_rho,
             "loo_predicted": [search.reduce(p) for p in held], "chosen_as": why,
             "weights": {d: round(v, 6) for d, v in pool[best].items()}, "predicted_objective": float(pred[best]),
