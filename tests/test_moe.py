@@ -63,8 +63,9 @@ def _grouped(mlp: GroupedMLP, x_AD: torch.Tensor, counts_E: torch.Tensor) -> tor
 @pytest.mark.parametrize("glu", [True, False], ids=["glu", "mlp"])
 @pytest.mark.parametrize("experts", [8, 64])
 def test_cpu_expert_loop_gives_the_grouped_path_outputs_and_gradients(experts, glu):
-    """Same products in the same order: measured identical here (max difference 0); the tolerance allows
-    only a last-bit difference should the matmul library pick another kernel for a slice."""
+    """Same products in the same order: identical on the machines the loop was written on (max difference 0).
+    On an AMD EPYC the matmul library picks another kernel for some slices, and 5 of 131,072 gradient elements
+    differed by up to 2.5e-7: the tolerance allows a few float32 roundings of sums over 64 products, no more."""
     torch.manual_seed(0)
     mlp = GroupedMLP(experts, d_model=64, hidden=32, glu=glu)
     counts = torch.randint(0, 40, (experts,))
@@ -76,7 +77,7 @@ def test_cpu_expert_loop_gives_the_grouped_path_outputs_and_gradients(experts, g
         y = run(x, counts)
         results.append((y, *torch.autograd.grad(y, (x, *mlp.parameters()), g)))
     for new, old in zip(*results):
-        torch.testing.assert_close(new, old, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dict_uses_megablocks_names_and_shapes():
