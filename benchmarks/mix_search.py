@@ -1,6 +1,6 @@
 """The mixture search against the declared and a uniform mix: the same target trained on each, per seed.
 
-Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies K] [--store DIR]
+Run: `python benchmarks/mix_search.py [--preset tiny] [--seeds 1234 1 2] [--proxies K] [--store DIR] [--nudge 0.01]
 [--mixes W,W,W ... [--width W --layers L] [--batch B] [--lr LR] [--classes C]]`. With `--mixes` (weights in the
 order of the preset's `mix.weights`), no search runs: the target trains on each given mix instead (every phase
 tilted as the search's chosen mix would be), the ground truth a search is judged against; with `--width`/
@@ -14,8 +14,12 @@ each is `mix.search.objective` (default: the held-out loss averaged over domains
 stage. The held-out rows are the same for all three, because the held-out split does not depend on the weights.
 From the search: the proxies' FLOPs share and the fit's leave-one-out rank correlation. The last line is one
 JSON object: `runs`, and the headline keys `beats_declared_all_seeds`, `beats_uniform_all_seeds`,
-`proxy_flops_share` (the largest) and `heldout_rank_correlation` (the smallest). What it does not show:
-corpora other than the preset's, or objectives other than the default.
+`proxy_flops_share` (the largest) and `heldout_rank_correlation` (the smallest). Beside them, what decides whether
+a win means anything: `predicted_gain` (the smallest gain the proxies' fit expects of the chosen mix over the
+declared or the uniform one, at the proxies' scale; each run has both, and the fit's leave-one-out error on the
+objective) and `paired_noise` (the largest, over seeds, of how far the target moves when 0.01 of the declared
+weight goes from its largest domain to its smallest: `--nudge`, one more target a seed). What it does not show:
+corpora other than the preset's, or objectives other than the default; one nudge a seed samples the noise once.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from _runs import run_until  # benchmarks/_runs.py: not a benchmark (scripts run
 
 from moeflow import configs
 from moeflow.configs.data import tilt
-from moeflow.moe import ladder
+from moeflow.moe import ladder, mix_search
 
 
 def run_config(data: dict, name: str, work: Path) -> dict:
@@ -86,21 +90,46 @@ def grid(base: dict, seed: int, mixes: list[list[float]], work: Path) -> list[di
     return out
 
 
-def one_seed(base: dict, seed: int, proxies: int | None, work: Path) -> dict:
+def nudged(weights: list[float], by: float) -> list[float]:
+    """`weights` with `by` moved from the largest to the smallest: a mix no search could tell from them."""
+    out = list(weights)
+    out[out.index(max(out))] -= by
+    out[out.index(min(out))] += by
+    return [round(w, 6) for w in out]
+
+
+def predicted(s: dict, mix: dict[str, float], search: configs.MixSearchConfig) -> float:
+    """The search's fit (its lineage record `s`) on `mix`: its predicted objective, at the proxies' scale."""
+    law = {d: [v["c"], *(v["b"][j] for j in s["law"])] for d, v in s["law"].items()}
+    return search.reduce(mix_search.predict(law, [mix])[0])
+
+
+def one_seed(base: dict, seed: int, proxies: int | None, nudge: float, work: Path) -> dict:
     base = {**base, "seed": seed, "ladder": None}
     search = configs.MixSearchConfig(**({"proxies": proxies} if proxies else {}))
-    searched = run_config({**base, "mix": {**base["mix"], "search": search.model_dump(mode="json")}},
-                          f"search-{seed}", work)
-    declared = run_config(base, f"declared-{seed}", work)
-    even = run_config({**base, "mix": uniform(base["mix"])}, f"uniform-{seed}", work)
+    runs = {"searched": run_config({**base, "mix": {**base["mix"], "search": search.model_dump(mode="json")}},
+                                   f"search-{seed}", work),
+            "declared": run_config(base, f"declared-{seed}", work),
+            "uniform": run_config({**base, "mix": uniform(base["mix"])}, f"uniform-{seed}", work)}
+    if nudge:
+        near = tilted(base["mix"], nudged(list(base["mix"]["weights"].values()), nudge))
+        runs["nudged"] = run_config({**base, "mix": near}, f"nudged-{seed}", work)
     objective = {name: search.reduce({d: r["loss"] for d, r in lin["evaluate"]["stats"]["heldout"].items()})
-                 for name, lin in (("searched", searched), ("declared", declared), ("uniform", even))}
-    s = searched["mix_search"]["stats"]
-    return {"seed": seed, **{k: round(v, 4) for k, v in objective.items()},
-            "chosen": s["weights"], "declared_weights": s["declared"],
-            "predicted_objective": round(s["predicted_objective"], 4),
-            "proxy_flops_share": round(s["proxy_fraction"], 4),
-            "heldout_rank_correlation": round(s["loo_rank_correlation"], 4)}
+                 for name, lin in runs.items()}
+    s = runs["searched"]["mix_search"]["stats"]
+    even = {d: 1 / len(s["law"]) for d in s["law"]}
+    out = {"seed": seed, **{k: round(v, 4) for k, v in objective.items()},
+           "chosen": s["weights"], "declared_weights": s["declared"],
+           "predicted_objective": round(s["predicted_objective"], 4),
+           # the gain the proxies' fit expects of the chosen mix, beside its leave-one-out error on the objective
+           "predicted_gain_over_declared": round(s["predicted_gain"], 4),
+           "predicted_gain_over_uniform": round(predicted(s, even, search) - s["predicted_objective"], 4),
+           "loo_objective_rmse": round(s["loo_objective_rmse"], 4),
+           "proxy_flops_share": round(s["proxy_fraction"], 4),
+           "heldout_rank_correlation": round(s["loo_rank_correlation"], 4)}
+    if nudge:  # what the target's loss moves by between two mixes the search cannot tell apart
+        out["paired_noise"] = round(abs(objective["nudged"] - objective["declared"]), 4)
+    return out
 
 
 def main() -> None:
@@ -109,6 +138,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     p.add_argument("--proxies", type=int, default=None, help="proxies (default: mix.search's default)")
     p.add_argument("--store", default=None, help="artifact store (default: the config's own)")
+    p.add_argument("--nudge", type=float, default=0.01,
+                   help="also train the target on the declared mix with this much weight moved from its largest "
+                        "domain to its smallest, the paired noise floor (0: not)")
     p.add_argument("--mixes", nargs="+", default=None, help="train the target on these mixes (W,W,W), no search")
     p.add_argument("--width", type=int, default=None, help="with --mixes: a proxy of this d_model")
     p.add_argument("--layers", type=int, default=1, help="with --width: its layers")
@@ -128,7 +160,7 @@ def main() -> None:
             print(json.dumps({"preset": args.preset, "grid": runs}))
             return
         for seed in args.seeds:
-            r = one_seed(base, seed, args.proxies, Path(work))
+            r = one_seed(base, seed, args.proxies, args.nudge, Path(work))
             print(f"seed {seed}: searched {r['searched']}, declared {r['declared']}, uniform {r['uniform']} "
                   f"(proxies {r['proxy_flops_share']:.1%} of the target's FLOPs, leave-one-out rank correlation "
                   f"{r['heldout_rank_correlation']}); chosen {r['chosen']}", flush=True)
@@ -139,6 +171,8 @@ def main() -> None:
         "beats_uniform_all_seeds": all(r["searched"] < r["uniform"] for r in runs),
         "proxy_flops_share": max(r["proxy_flops_share"] for r in runs),
         "heldout_rank_correlation": min(r["heldout_rank_correlation"] for r in runs),
+        "predicted_gain": min(min(r["predicted_gain_over_declared"], r["predicted_gain_over_uniform"]) for r in runs),
+        **({"paired_noise": max(r["paired_noise"] for r in runs)} if args.nudge else {}),
     }))
 
 

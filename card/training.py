@@ -114,6 +114,8 @@ def mix_search(ms: dict, ev: dict) -> dict:
         "rho": f"{p['loo_rank_correlation']:.3f}",
         "rho_per_domain": ", ".join(f"{d} {r:.3f}" for d, r in sorted(p["loo_rank_correlation_per_domain"].items())),
         "objective_rho": f"{p['loo_objective_rank_correlation']:.3f}",
+        "ridge": "an infinite ridge penalty: no transfer" if p.get("ridge") is None
+        else f"a ridge penalty of {p['ridge']:g}, chosen by leave-one-out error",
         "objective": "held-out loss averaged over domains" if p["objective"] == "heldout"
         else "held-out loss weighted " + ", ".join(f"{d} {w:g}" for d, w in p["objective"].items()),
         "artifact": f"mix_search-{ms['artifact']['hash']}",
@@ -124,8 +126,18 @@ def mix_search(ms: dict, ev: dict) -> dict:
         "objective_table": table(["", "objective"], [
             ["chosen as", p["chosen_as"]],
             ["predicted for the chosen mix (at the proxies' scale)", f"{p['predicted_objective']:.4f}"],
+            *_gain(p),
             ["the target reached (its evaluate stage)", f"{actual:.4f}"]]),
     }
+
+
+def _gain(p: dict) -> list[list[str]]:
+    """The fit's expected gain over the declared mix beside its leave-one-out error (absent from older records)."""
+    if "predicted_gain" not in p:
+        return []
+    return [["predicted for the declared mix", f"{p['predicted_declared']:.4f}"],
+            ["predicted gain over the declared mix (the fit's leave-one-out error on the objective)",
+             f"{p['predicted_gain']:.4f} ({p['loo_objective_rmse']:.4f})"]]
 
 
 def ranks(d: dict, model: dict) -> dict:

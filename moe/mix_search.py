@@ -17,8 +17,10 @@ the objective moves least of all, as its domains pull against each other). The c
 `CANDIDATES` from the same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the
 lowest predicted objective whose domains the target can train within `mix.max_epochs`: the search stays where
 its proxies looked. When the leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support
-moving the mix and the declared one is kept (the record says which). `search.json` pre-registers it, with its
-time, before the target's mix is built.
+moving the mix and the declared one is kept (the record says which). The record also holds the declared mix's
+predicted objective, the gain the fit expects of the move, and the fit's leave-one-out RMS error on the
+objective: a gain under that error is one the proxies cannot tell from their own noise. `search.json`
+pre-registers it, with its time, before the target's mix is built.
 """
 
 from __future__ import annotations
@@ -162,11 +164,16 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
     best, why = int(feasible[0]), "the fit's lowest predicted objective"
     if not rho >= search.min_rank_correlation:  # (nan too) the proxies do not support moving the mix
         best, why = 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
+    declared = search.reduce(predict(law, [s["weights"]])[0])
+    loo_error = [search.reduce(p) - search.reduce(x) for p, x in zip(held, seen)]
     return {"law": {d: {"c": c[0], "b": dict(zip(domains, c[1:]))} for d, c in law.items()},
             "ridge": None if math.isinf(ridge) else ridge, "loo_rank_correlation": rho,
             "loo_rank_correlation_per_domain": per_domain, "loo_objective_rank_correlation": objective_rho,
             "loo_predicted": [search.reduce(p) for p in held], "chosen_as": why,
             "weights": {d: round(v, 6) for d, v in pool[best].items()}, "predicted_objective": float(pred[best]),
+            # what the fit expects the move to gain, beside how far it misses the objective of a proxy it left out
+            "predicted_declared": declared, "predicted_gain": declared - float(pred[best]),
+            "loo_objective_rmse": float(np.sqrt(np.mean(np.square(loo_error)))),
             "epochs": epochs(pool[best], s, domain_tokens)}
 
 

@@ -103,6 +103,27 @@ def test_without_out_of_sample_support_the_declared_mix_is_kept():
     assert mix_search.inside(lax["weights"], mixes, list(s["weights"]))
 
 
+def test_the_record_sets_the_predicted_gain_beside_the_fits_own_error():
+    """The gain the fit expects over the declared mix, and its leave-one-out RMS error on the objective: a move
+    the proxies support has a gain over that error; the declared mix kept has none."""
+    s = _slice()
+    mixes = [s["weights"]] + mix_search.draws(s["weights"], 8.0, 7, seed=0)
+    rng = np.random.default_rng(2)
+    y = [{"literature": 3.0 - 0.3 * np.log(m["literature"]), "python_docs": 3.0 - 0.05 * np.log(m["python_docs"]),
+          "kernel_docs": 3.0 - 0.05 * np.log(m["kernel_docs"]) + rng.normal(0, 0.002)} for m in mixes]
+    plenty = {d: 10**9 for d in s["weights"]}
+    moved = mix_search.choose(s, mixes, y, plenty)
+    assert moved["predicted_gain"] == pytest.approx(moved["predicted_declared"] - moved["predicted_objective"])
+    objective = [np.mean(list(x.values())) for x in y]
+    assert moved["loo_objective_rmse"] == pytest.approx(
+        np.sqrt(np.mean(np.square(np.subtract(moved["loo_predicted"], objective)))))
+    assert moved["predicted_gain"] > 5 * moved["loo_objective_rmse"] > 0
+    noise = [{d: 7.0 + e for d, e in zip(s["weights"], row)}
+             for row in np.random.default_rng(0).normal(0, 0.01, (len(mixes), 3))]
+    kept = mix_search.choose(s, mixes, noise, plenty)
+    assert kept["chosen_as"].startswith("declared") and kept["predicted_gain"] == 0.0
+
+
 def test_proxies_with_a_class_head_train_longer_for_the_same_budget():
     """`output_classes` shrinks the proxies' head, so the budget buys more steps, never past the target's."""
     cfg = configs.load("tiny")
@@ -169,6 +190,7 @@ def test_the_search_is_registered_before_the_mix_and_changes_it(prefect_server, 
     steps = lin["train"]["stats"]["steps"]  # every proxy trains the target's batch and curriculum, fewer steps
     assert search["proxy_token_fraction"] == pytest.approx(search["proxies"][0]["steps"] / steps, rel=0.05)
     assert f"each trained on {search['proxy_token_fraction']:.1%} of the target's training tokens" in text
+    assert f"| {search['predicted_gain']:.4f} ({search['loo_objective_rmse']:.4f}) |" in text
     # the card's section is lineage alone: without search.json it renders the same
     (Path(out["stages"]["mix_search"]["artifact"]) / "search.json").unlink()
     graph = card.collect([Path(out["stages"]["evaluate"]["artifact"])])
