@@ -34,11 +34,17 @@ class ModelConfig(Frozen):
     # the LM head predicts each next token's class, its id modulo this, in place of the token: a head this
     # many rows wide, for a mixture search's cheap proxies (`mix.search.output_classes`); none: the token
     output_classes: int | None = Field(default=None, gt=1)
+    # with output_classes: the head also picks the token among its class's members (a two-level softmax), so
+    # the loss is each next token's own cross-entropy, log P(class) + log P(token | class), at about the
+    # class head's cost
+    factored_head: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.output_classes is not None and self.tie_embeddings:
             raise ValueError("output_classes needs tie_embeddings: false (the head is not the embedding)")
+        if self.factored_head and self.output_classes is None:
+            raise ValueError("factored_head needs output_classes (the classes it factors the vocabulary into)")
         if self.d_model % self.n_heads:
             raise ValueError("d_model must be divisible by n_heads")
         if (self.d_model // self.n_heads) % 2:

@@ -106,9 +106,12 @@ def row_losses(model: Transformer, rows: np.ndarray, dev: torch.device) -> np.nd
     out: list[float] = []
     for i in range(0, len(rows), 8):
         batch_BS = device.batch(rows[i : i + 8], dev)
-        logits_BSV, _ = model(batch_BS[:, :-1])
-        next_BS = model.targets(batch_BS[:, 1:])
-        ce_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), next_BS, reduction="none")
+        hidden_BSD, _ = model.features(batch_BS[:, :-1])
+        next_BS = batch_BS[:, 1:]
+        ce_BS = F.cross_entropy(model.logits(hidden_BSD).float().transpose(1, 2), model.targets(next_BS),
+                                reduction="none")
+        if model.within is not None:  # a factored head: the token's own cross-entropy
+            ce_BS = ce_BS + model.within_nll(hidden_BSD, next_BS)
         out.extend(ce_BS.mean(1).tolist())
     return np.asarray(out, dtype=np.float64)
 
@@ -145,13 +148,9 @@ def encode_pair(tok, context: str, continuation: str, eos: int) -> tuple[list[in
 
 
 def _hidden(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """The LM head's input (`Transformer.forward` without the head): scoring needs logits only where a
-    continuation is, and the head over a large vocabulary at every position dominates a small model."""
-    x = model.embed(tokens_BS)
-    attention = model.attention_inputs(tokens_BS)
-    for block in model.blocks:
-        x, _ = block(x, *attention)
-    return model.norm(x)
+    """The LM head's input (`Transformer.features`): scoring needs logits only where a continuation is, and the
+    head over a large vocabulary at every position dominates a small model."""
+    return model.features(tokens_BS)[0]
 
 
 @torch.no_grad()

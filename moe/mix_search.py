@@ -63,7 +63,8 @@ def plan(cfg: RunConfig, vocab: int) -> list[dict]:
     target, _ = ladder.flops(cfg.model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
     model = ladder._model(cfg.model, s.width, s.layers)
     if s.output_classes and s.output_classes < vocab:
-        model = model.model_copy(update={"output_classes": s.output_classes, "tie_embeddings": False})
+        model = model.model_copy(update={"output_classes": s.output_classes, "tie_embeddings": False,
+                                         "factored_head": s.factored_head})
     full, _ = ladder.flops(model, cfg.train, vocab, [(p.steps, p.seq_len) for p in cfg.phases()])
     affordable = int(s.budget_fraction * target / s.proxies / (full / cfg.train.steps))  # within the budget
     steps = max(s.min_steps, min(cfg.train.steps, affordable))  # never past the target's own length

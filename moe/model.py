@@ -100,6 +100,10 @@ class Transformer(nn.Module):
         # skip_init: no draws of its own, so every other parameter gets the draws it gets when tied
         rows = cfg.output_classes or vocab_size
         self.head = None if cfg.tie_embeddings else nn.utils.skip_init(nn.Linear, cfg.d_model, rows, bias=False)
+        # `factored_head`: each token's vector for the choice among its class's tokens (registered last, drawn
+        # last: every other parameter's draws are those of a model without it)
+        self.within = (nn.Parameter(torch.empty(vocab_size, cfg.d_model))
+                       if cfg.output_classes and cfg.factored_head else None)
         init_weights(self, cfg.n_layers)
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -107,6 +111,11 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         """Logits [B, S, V] and, for each MoE layer in order, its aux losses and metrics."""
+        hidden_BSD, auxes = self.features(tokens_BS)
+        return self.logits(hidden_BSD), auxes
+
+    def features(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """The LM head's input [B, S, D] and each MoE layer's aux losses and metrics: `forward` without the head."""
         x = self.embed(tokens_BS)
         attention = self.attention_inputs(tokens_BS)
         auxes = []
@@ -114,7 +123,7 @@ class Transformer(nn.Module):
             x, aux = block(x, *attention)
             if aux is not None:
                 auxes.append(aux)
-        return self.logits(self.norm(x)), auxes
+        return self.norm(x), auxes
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: the embedding matrix when tied, else its own."""
@@ -123,6 +132,20 @@ class Transformer(nn.Module):
     def targets(self, next_BS: torch.Tensor) -> torch.Tensor:
         """What the head predicts of the next tokens: the tokens, or with `output_classes` their classes."""
         return next_BS if self.cfg.output_classes is None else next_BS % self.cfg.output_classes
+
+    def within_nll(self, hidden_BSD: torch.Tensor, next_BS: torch.Tensor) -> torch.Tensor:
+        """With `factored_head`: -log P(token | its class) of each next token [B, S], a softmax over the class's
+        members (ids class, class + C, class + 2C, ... below the vocabulary's size), so that with the class's
+        cross-entropy it is the token's own: a head over C classes and V / C members costs D (C + V / C) a
+        position in place of D V."""
+        C, V = self.cfg.output_classes, self.vocab_size
+        K = -(-V // C)  # members of the fullest class
+        ids_BSK = (next_BS % C).unsqueeze(-1) + C * torch.arange(K, device=next_BS.device)
+        real_BSK = ids_BSK < V
+        members_BSKD = self.within[ids_BSK.clamp(max=V - 1)]
+        logits_BSK = torch.einsum("bsd,bskd->bsk", hidden_BSD.float(), members_BSKD.float())
+        logits_BSK = logits_BSK.masked_fill(~real_BSK, float("-inf"))
+        return -logits_BSK.log_softmax(-1).gather(-1, (next_BS // C).unsqueeze(-1)).squeeze(-1)
 
     def attention_inputs(self, tokens_BS: torch.Tensor) -> tuple:
         """(cos, sin, mask) for every block: the row's positions and causal attention, or, with
@@ -144,16 +167,20 @@ class Transformer(nn.Module):
         expert = shards * sum(p.numel() for n, p in self.named_parameters() if ".experts." in n)
         total = sum(p.numel() for n, p in self.named_parameters() if ".experts." not in n) + expert
         inactive = expert * (self.cfg.num_experts - self.cfg.top_k) // self.cfg.num_experts
-        embedding = self.embed.weight.numel()
+        # lookup tables: the embedding, and a factored head's per-token vectors (a position reads a class's own)
+        embedding = self.embed.weight.numel() + (self.within.numel() if self.within is not None else 0)
         return {"total": total, "active": total - inactive, "expert": expert, "embedding": embedding,
                 "active_non_embedding": total - inactive - embedding}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x active non-embedding parameters + attention (PaLM appendix B),
-        plus a tied LM head's matmul (6 x embedding); an untied head is a non-embedding matrix."""
+        plus a tied LM head's matmul (6 x embedding); an untied head is a non-embedding matrix; a factored
+        head's choice within a class reads that class's members' vectors (6 x D x V / C)."""
         p = self.num_params()
         attention = 12 * self.cfg.n_layers * self.cfg.d_model * seq_len
         head = p["embedding"] if self.head is None else 0
+        if self.within is not None:
+            head = self.cfg.d_model * -(-self.vocab_size // self.cfg.output_classes)
         return 6 * (p["active_non_embedding"] + head) + attention
 
 
@@ -161,9 +188,12 @@ def lm_loss(
     model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
 ) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
     """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
-    logits_BSV, auxes = model(batch_BS[:, :-1])
+    hidden_BSD, auxes = model.features(batch_BS[:, :-1])
+    logits_BSV = model.logits(hidden_BSD)
     logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
     ce = F.cross_entropy(logits, model.targets(batch_BS[:, 1:]).reshape(-1))
+    if model.within is not None:  # factored head: the class's cross-entropy plus the token's within it
+        ce = ce + model.within_nll(hidden_BSD, batch_BS[:, 1:]).mean()
     # only when asked: a logsumexp over every logit costs about a tenth of a tiny model's step
     z = torch.logsumexp(logits, dim=-1).square().mean() if logit_z else ce.new_zeros(())
     return ce, auxes, z

@@ -241,3 +241,31 @@ def test_a_head_over_token_classes_predicts_each_next_token_modulo_its_width():
     assert full.flops_per_token(16) - model.flops_per_token(16) == 6 * (50 - 7) * MOE.d_model
     with pytest.raises(ValueError, match="output_classes needs tie_embeddings: false"):
         ModelConfig(**{**MOE.model_dump(), "output_classes": 7})
+
+
+def test_a_factored_head_gives_each_next_token_its_own_cross_entropy():
+    """`factored_head`: P(token) = P(its class) x P(token | class), the second a softmax over the class's
+    members only. Built here over the whole vocabulary by brute force, it is a distribution (sums to 1), and
+    training's and evaluation's losses are its cross-entropy; the FLOPs add only D x (members of a class)."""
+    from moeflow.moe.evaluate import row_losses
+
+    vocab, classes = 50, 7  # classes of 8 and of 7 members: the short ones are masked
+    cfg = MOE.model_copy(update={"tie_embeddings": False, "output_classes": classes, "factored_head": True})
+    torch.manual_seed(0)
+    model = Transformer(cfg, vocab_size=vocab, max_seq_len=16)
+    tokens = torch.randint(0, vocab, (2, 9))
+    with torch.no_grad():
+        hidden, _ = model.features(tokens[:, :-1])
+        class_lp = model.logits(hidden).log_softmax(-1)
+        inner = hidden @ model.within.T
+        lp = torch.stack([class_lp[..., t % classes] + inner[..., t]
+                          - torch.logsumexp(inner[..., t % classes::classes], -1) for t in range(vocab)], -1)
+        ce, _, _ = lm_loss(model, tokens)
+    assert torch.logsumexp(lp, -1).abs().max() < 1e-5
+    want = -lp.gather(-1, tokens[:, 1:, None]).mean()
+    assert ce.item() == pytest.approx(want.item(), rel=1e-5)
+    assert row_losses(model, tokens.numpy(), torch.device("cpu")).mean() == pytest.approx(want.item(), rel=1e-5)
+    plain = Transformer(cfg.model_copy(update={"factored_head": False}), vocab_size=vocab, max_seq_len=16)
+    assert model.flops_per_token(16) - plain.flops_per_token(16) == 6 * MOE.d_model * 8
+    with pytest.raises(ValueError, match="factored_head needs output_classes"):
+        ModelConfig(**{**MOE.model_dump(), "tie_embeddings": False, "factored_head": True})
