@@ -299,7 +299,7 @@ class MixSearchConfig(Frozen):
     output_classes: int | None = Field(default=1024, gt=1)
     # and the head also picks the token among its class's members (`model.factored_head`): the proxies' loss is
     # each next token's own cross-entropy, as the target's is, at about the class head's cost
-    factored_head: bool = False
+    factored_head: bool = True
     budget_fraction: float = Field(default=0.25, gt=0, le=0.25)  # all proxies' FLOPs / the target's
     min_steps: int = Field(default=10, ge=2)
     # Dirichlet concentration around the declared weights: alpha_d = concentration * w_d (higher: closer)

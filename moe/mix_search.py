@@ -3,8 +3,10 @@
 RegMix's recipe at this project's scale. Proxy 0 trains on the declared weights, the others on Dirichlet draws
 (alpha_d = `concentration` * w_d, seeded by the run's seed) over the domains the declared mix uses; every
 proxy is the target's recipe at `width` x `layers`, its LM head over `output_classes` token classes (each next
-token's id modulo their number) in place of the vocabulary, on its own mix of the whole curriculum (each phase's
-weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the same text first, `tokenize/mix.py`),
+token's id modulo their number) and then, with `factored_head`, over the class's members in place of the
+vocabulary (a proxy's loss is then each token's own cross-entropy, as the target's is), on its own mix of the
+whole curriculum (each phase's weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the
+same text first, `tokenize/mix.py`),
 and all of them together cost at most `budget_fraction` of the target's training FLOPs, none training longer
 than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all) is what
 the regression fits, per domain: loss_d ~ c_d + sum_j b_dj * log(w_j), a domain's diminishing return on its own
