@@ -29,6 +29,7 @@ PARAM_GROUPS = (
     ("attention", ".attn."),
     ("embedding", "embed."),
     ("lm_head", "head."),
+    ("lm_head", ".within"),  # a factored head's per-token vectors (model.factored_head)
     ("norms", "norm"),
 )
 

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from helpers import write_training_mix
 from moeflow.configs import ModelConfig, TrainConfig
-from moeflow.moe import launch, train
+from moeflow.moe import launch, metrics, train
 from moeflow.moe.experts import matmul_dtypes
 from moeflow.moe.model import Transformer, lm_loss
 
@@ -267,5 +267,6 @@ def test_a_factored_head_gives_each_next_token_its_own_cross_entropy():
     assert row_losses(model, tokens.numpy(), torch.device("cpu")).mean() == pytest.approx(want.item(), rel=1e-5)
     plain = Transformer(cfg.model_copy(update={"factored_head": False}), vocab_size=vocab, max_seq_len=16)
     assert model.flops_per_token(16) - plain.flops_per_token(16) == 6 * MOE.d_model * 8
+    assert {metrics.group_of(n) for n, _ in model.named_parameters() if "head" in n or "within" in n} == {"lm_head"}
     with pytest.raises(ValueError, match="factored_head needs output_classes"):
         ModelConfig(**{**MOE.model_dump(), "tie_embeddings": False, "factored_head": True})
