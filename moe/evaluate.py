@@ -106,10 +106,9 @@ def row_losses(model: Transformer, rows: np.ndarray, dev: torch.device) -> np.nd
     out: list[float] = []
     for i in range(0, len(rows), 8):
         batch_BS = device.batch(rows[i : i + 8], dev)
-        hidden_BSD, _ = model.features(batch_BS[:, :-1])
+        logits_BSV, _, hidden_BSD = model(batch_BS[:, :-1], return_hidden=True)
         next_BS = batch_BS[:, 1:]
-        ce_BS = F.cross_entropy(model.logits(hidden_BSD).float().transpose(1, 2), model.targets(next_BS),
-                                reduction="none")
+        ce_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), model.targets(next_BS), reduction="none")
         if model.within is not None:  # a factored head: the token's own cross-entropy
             ce_BS = ce_BS + model.within_nll(hidden_BSD, next_BS)
         out.extend(ce_BS.mean(1).tolist())

@@ -109,10 +109,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
-        """Logits [B, S, V] and, for each MoE layer in order, its aux losses and metrics."""
+    def forward(self, tokens_BS: torch.Tensor, return_hidden: bool = False) -> tuple:
+        """Logits [B, S, V] and, for each MoE layer in order, its aux losses and metrics; with `return_hidden`,
+        the head's input [B, S, D] third (a factored head's loss needs it)."""
         hidden_BSD, auxes = self.features(tokens_BS)
-        return self.logits(hidden_BSD), auxes
+        logits_BSV = self.logits(hidden_BSD)
+        return (logits_BSV, auxes, hidden_BSD) if return_hidden else (logits_BSV, auxes)
 
     def features(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         """The LM head's input [B, S, D] and each MoE layer's aux losses and metrics: `forward` without the head."""
@@ -188,8 +190,7 @@ def lm_loss(
     model: Transformer, batch_BS: torch.Tensor, logit_z: bool = False
 ) -> tuple[torch.Tensor, list[dict], torch.Tensor]:
     """(cross-entropy, per-MoE-layer aux, logits z-loss or 0) of next-token prediction on a batch."""
-    hidden_BSD, auxes = model.features(batch_BS[:, :-1])
-    logits_BSV = model.logits(hidden_BSD)
+    logits_BSV, auxes, hidden_BSD = model(batch_BS[:, :-1], return_hidden=True)
     logits = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
     ce = F.cross_entropy(logits, model.targets(batch_BS[:, 1:]).reshape(-1))
     if model.within is not None:  # factored head: the class's cross-entropy plus the token's within it
