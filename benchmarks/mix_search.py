@@ -91,10 +91,11 @@ def grid(base: dict, seed: int, mixes: list[list[float]], work: Path) -> list[di
 
 
 def nudged(weights: list[float], by: float) -> list[float]:
-    """`weights` with `by` moved from the largest to the smallest: a mix no search could tell from them."""
+    """`weights` with `by` moved from the largest to the smallest other: a mix no search could tell from them."""
     out = list(weights)
-    out[out.index(max(out))] -= by
-    out[out.index(min(out))] += by
+    hi = out.index(max(out))
+    lo = min((i for i in range(len(out)) if i != hi), key=out.__getitem__)  # even weights: another domain
+    out[hi], out[lo] = out[hi] - by, out[lo] + by
     return [round(w, 6) for w in out]
 
 
@@ -117,7 +118,7 @@ def one_seed(base: dict, seed: int, proxies: int | None, nudge: float, work: Pat
     objective = {name: search.reduce({d: r["loss"] for d, r in lin["evaluate"]["stats"]["heldout"].items()})
                  for name, lin in runs.items()}
     s = runs["searched"]["mix_search"]["stats"]
-    even = {d: 1 / len(s["law"]) for d in s["law"]}
+    even = {d: 1 / len(s["law"]) for d in s["law"]}  # the fit tilts phases; the uniform run flattens them
     out = {"seed": seed, **{k: round(v, 4) for k, v in objective.items()},
            "chosen": s["weights"], "declared_weights": s["declared"],
            "predicted_objective": round(s["predicted_objective"], 4),
