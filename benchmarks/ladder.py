@@ -9,11 +9,13 @@ seeds; the mix, rungs, ladder and target are the seed's own). From the run's rec
 pre-registered `prediction.json` and what it predicted: for the additive fit (tiny's) the held-out loss
 averaged over domains (evaluate's), else the train stage's `tail_loss` (the mean training cross-entropy of the
 last tenth of the steps). Per run: predicted, band, actual, relative error (actual - predicted) / actual,
-inside the band, the ladder's FLOPs as a share of the target's. The last line is one JSON object with `runs` and the
-headline keys `max_abs_error` (the largest |relative error|), `all_inside_band` and `flops_share` (the
-largest), and `tiny_seed_spread`: (max - min) / mean of the tiny seeds' actual losses, how far the target's
-own loss moves with the seed alone. What it does not show: any corpus but the presets' own (issue 35 checks
-others too), or the ladder's wall time (the rungs' FLOPs are what the budget counts).
+inside the band, the ladder's FLOPs as a share of the target's, and (additive) whether the short rungs ended
+while the target's shape still pulled ahead of the narrow one (`lead_still_rising`: the fit's own warning). The
+last line is one JSON object with `runs` and the headline keys `max_abs_error` (the largest |relative error|),
+`all_inside_band` and `flops_share` (the largest), and `tiny_seed_spread`: (max - min) / mean of the tiny
+seeds' actual losses, how far the target's own loss moves with the seed alone. What it does not show: any
+corpus but the presets' own (issue 35 checks others too), or the ladder's wall time (the rungs' FLOPs are what
+the budget counts).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def run_once(preset: str, seed: int, store: str | None, work: Path) -> dict:
         "relative_error": round((actual - predicted) / actual, 4),
         "inside_band": lo <= actual <= hi,
         "flops_share": round(pred["ladder_fraction"], 4),
+        # the additive fit's warning (moe/ladder.py `lead_peak`): the short rungs ended while the target's shape
+        # still pulled ahead of the narrow one, so the ends need not bracket the target
+        "lead_still_rising": pred["fit"].get("lead", {}).get("still_rising"),
         "rungs": [[r["d_model"], r["n_layers"], r["steps"], r["final_loss"], r.get("heldout_loss")]
                   for r in pred["rungs"]],
     }
@@ -81,7 +86,7 @@ def main() -> None:
                 print(f"{preset} seed {seed}: predicted {r['predicted']} (band {r['band'][0]} to {r['band'][1]}), "
                       f"actual {r['actual']}, error {r['relative_error']:+.2%}, "
                       f"{'inside' if r['inside_band'] else 'outside'} the band, ladder {r['flops_share']:.1%} "
-                      "of the target's FLOPs", flush=True)
+                      f"of the target's FLOPs{', lead still rising' if r['lead_still_rising'] else ''}", flush=True)
                 runs.append(r)
     tiny = [r["actual"] for r in runs if r["preset"] == "tiny"]
     print(json.dumps({

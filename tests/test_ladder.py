@@ -135,6 +135,27 @@ def test_an_additive_prediction_is_registered_and_carded_against_the_held_out_lo
     assert "| held-out loss (mean over domains) | 5.35 (5.1 to 5.6) | 5.2000 (inside the band) | -2.88% |" in (
         card["prediction_table"])
     assert "g(N) + h(D): 5.1) or washed out by the target's tokens (5.6)" in card["fit_text"]
+    # the short rungs' curves differ by 0.5 at every step: the first window is as high as any
+    assert p["fit"]["lead"] == {"steps": 10, "peak_step": 2, "still_rising": False}
+    assert "lead over the narrow rung in the short rungs peaked at step 2 of 10, before" in card["fit_text"]
+
+
+def _curve(steps: int, start: int) -> list[float]:
+    """A training curve that stays at ln(2048) until `start`, then falls by 1 nat with a 5-step time constant."""
+    return [7.62 - (1 - np.exp(-max(0, t - start) / 5)) for t in range(1, steps + 1)]
+
+
+def test_the_lead_of_the_wider_shape_is_found_still_growing_in_short_rungs_and_past_its_peak_in_long_ones():
+    from moeflow.card import training
+
+    # the wider shape starts learning at once, the narrow one 8 steps later: the lead grows, peaks, then shrinks
+    short = ladder.lead_peak(_curve(5, 8), _curve(5, 0))
+    assert short == {"steps": 5, "peak_step": 5, "still_rising": True}
+    long = ladder.lead_peak(_curve(40, 8), _curve(40, 0))
+    assert not long["still_rising"] and 8 <= long["peak_step"] <= 16
+    fit = {"kind": "additive", "separable": 5.1, "gain_washed_out": 5.6, "bootstrap_fits": 10, "lead": short}
+    text = training._fit_text({"fit": fit})
+    assert "**Caution:** the target's shape's lead over the narrow rung peaked at step 5 of 5" in text
 
 
 def test_band_follows_the_ladder_curves(tmp_path):
