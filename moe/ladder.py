@@ -279,8 +279,7 @@ def additive(rows: list[dict], heldout: list[dict[str, np.ndarray]], model: Mode
     worst-case error over that range), and the band spans both ends, widened by resampling each domain's
     held-out rows (the same rows for every rung): the 5th percentile of the lower end, the 95th of the upper.
     On held-out losses (the mean over domains); on final training losses for the target run's live band."""
-    full = next(i for i, r in enumerate(rows) if r["steps"] == steps)
-    small, big = _short_pair(rows, model, steps)
+    full, small, big = _roles(rows, model, steps)
 
     def ends(loss: list[float]) -> tuple[float, float]:
         """(separable, gain washed out)."""
@@ -303,11 +302,12 @@ def additive(rows: list[dict], heldout: list[dict[str, np.ndarray]], model: Mode
             "bootstrap_fits": bootstrap}
 
 
-def _short_pair(rows: list[dict], model: ModelConfig, steps: int) -> tuple[int, int]:
-    """The additive fit's short rungs: (the narrow one, the target's shape), as indices into `rows`."""
+def _roles(rows: list[dict], model: ModelConfig, steps: int) -> tuple[int, int, int]:
+    """The additive fit's rungs as indices into `rows`: (the narrow one at the target's steps, the narrow one
+    at a few, the target's shape at a few)."""
     full = next(i for i, r in enumerate(rows) if r["steps"] == steps)
     big = next(i for i, r in enumerate(rows) if (r["d_model"], r["n_layers"]) == (model.d_model, model.n_layers))
-    return next(i for i in range(len(rows)) if i not in (full, big)), big
+    return full, next(i for i in range(len(rows)) if i not in (full, big)), big
 
 
 def lead_peak(narrow: list[float], big: list[float]) -> dict:
@@ -350,7 +350,7 @@ def predict(
         for r, h in zip(rows, heldout or [], strict=True):
             r["heldout_loss"] = round(_domains_mean(h), 4)
         result = additive(rows, heldout, model, train.steps, lad.bootstrap, seed)
-        small, big = _short_pair(rows, model, train.steps)
+        _, small, big = _roles(rows, model, train.steps)
         fitted = {"kind": "additive", "bootstrap_fits": result["bootstrap_fits"],
                   **{k: round(v, 4) for k, v in result["ends"].items()},
                   "lead": lead_peak(losses[small], losses[big])}

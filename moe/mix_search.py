@@ -1,28 +1,27 @@
 """Mixture search: small proxy runs on mixes drawn around the declared weights choose the target's mix.
 
 RegMix's recipe at this project's scale. Proxy 0 trains on the declared weights, the others on Dirichlet draws
-(alpha_d = `concentration` * w_d, seeded by the run's seed) over the domains the declared mix uses; every
-proxy is the target's recipe at `width` x `layers`, its LM head over `output_classes` token classes (each next
-token's id modulo their number) and then, with `factored_head`, over the class's members in place of the
-vocabulary (a proxy's loss is then each token's own cross-entropy, as the target's is), on its own mix of the
-whole curriculum (each phase's weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the
-same text first, `tokenize/mix.py`),
-and all of them together cost at most `budget_fraction` of the target's training FLOPs, none training longer
-than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for all) is what
-the regression fits, per domain: loss_d ~ c_d + sum_j b_dj * log(w_j), a domain's diminishing return on its own
-share (b_dd) and what the other domains teach it (b_dj, transfer), by least squares with a ridge penalty on the
-transfer coefficients; the penalty (none to infinite, the latter a law of the domain's own weight alone) is the
+(alpha_d = `concentration` * w_d, seeded by the run's seed) over the domains the declared mix uses; every proxy is
+the target's recipe at `width` x `layers`, its LM head over `output_classes` token classes (each next token's id
+modulo their number) and then, with `factored_head`, over the class's members in place of the vocabulary (a proxy's
+loss is then each token's own cross-entropy, as the target's is), on its own mix of the whole curriculum (each
+phase's weights tilted by the draw: `MixConfig.tilted`; at one seed every mix draws the same text first,
+`tokenize/mix.py`), and all of them together cost at most `budget_fraction` of the target's training FLOPs, none
+training longer than the target. Each proxy's held-out loss per domain (on proxy 0's held-out rows, the same for
+all) is what the regression fits, per domain: loss_d ~ c_d + sum_j b_dj * log(w_j), a domain's diminishing return on
+its own share (b_dd) and what the other domains teach it (b_dj, transfer), by least squares with a ridge penalty on
+the transfer coefficients; the penalty (none to infinite, the latter a law of the domain's own weight alone) is the
 one of `RIDGES` whose fit predicts the proxies it leaves out best. The predicted objective reduces the predicted
-losses as `objective` says. Its out-of-sample quality is the Spearman rank correlation of leave-one-out
-predictions with the proxies' domain losses, averaged over domains (the objective's own is recorded beside it:
-the objective moves least of all, as its domains pull against each other). The chosen mix is the draw (among
-`CANDIDATES` from the same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the
-lowest predicted objective whose domains the target can train within `mix.max_epochs`: the search stays where
-its proxies looked. When the leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support
-moving the mix and the declared one is kept (the record says which). The record also holds the declared mix's
-predicted objective, the gain the fit expects of the move, and the fit's leave-one-out RMS error on the
-objective: a gain under that error is one the proxies cannot tell from their own noise. `search.json`
-pre-registers it, with its time, before the target's mix is built.
+losses as `objective` says. Its out-of-sample quality is the Spearman rank correlation of leave-one-out predictions
+with the proxies' domain losses, averaged over domains (the objective's own is recorded beside it: the objective
+moves least of all, as its domains pull against each other). The chosen mix is the draw (among `CANDIDATES` from the
+same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the lowest predicted objective
+whose domains the target can train within `mix.max_epochs`: the search stays where its proxies looked. When the
+leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support moving the mix and the
+declared one is kept (the record says which). The record also holds the declared mix's predicted objective, the gain
+the fit expects of the move, and the fit's leave-one-out RMS error on the objective: a gain under that error is one
+the proxies cannot tell from their own noise. `search.json` pre-registers it, with its time, before the target's mix
+is built.
 """
 
 from __future__ import annotations
