@@ -38,6 +38,10 @@ class ModelConfig(Frozen):
     # the loss is each next token's own cross-entropy, log P(class) + log P(token | class), at about the
     # class head's cost
     factored_head: bool = False
+    # the LM head adds a bias that starts at the log of each token's (or class's) frequency in the training mix,
+    # so step 0 predicts the unigram distribution: a narrow tied head otherwise spends its first steps learning it
+    # (width 16 sat at ln V for 10-15 steps), which is most of a short run and no measure of the model's capacity
+    unigram_head_bias: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

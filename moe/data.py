@@ -45,6 +45,13 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def token_counts(self, vocab: int) -> np.ndarray:
+        """How often each token id below `vocab` occurs in the file's rows [vocab], a chunk at a time."""
+        counts = np.zeros(vocab, dtype=np.int64)
+        for v in self.values:
+            counts += np.bincount(v, minlength=vocab)[:vocab]
+        return counts
+
     def width(self, a: int, b: int) -> int:
         """The stored length shared by rows a..b-1 (model inputs + 1).
 

@@ -60,6 +60,7 @@ def load_model(train_dir: Path) -> Transformer:
     meta = json.loads((Path(train_dir) / "model_config.json").read_text())
     vocab, seq_len = meta.pop("vocab_size"), meta.pop("max_seq_len")
     eos = meta.pop("document_eos", None)  # attention within documents, if trained so (absent: whole rows)
+    meta.setdefault("unigram_head_bias", False)  # trained before the option existed: no bias
     model = Transformer(ModelConfig(**meta), vocab, seq_len, eos)
     model.load_state_dict(load_file(str(Path(train_dir) / "model.safetensors")), strict=True)
     return model.eval()

@@ -30,6 +30,7 @@ PARAM_GROUPS = (
     ("embedding", "embed."),
     ("lm_head", "head."),
     ("lm_head", ".within"),  # a factored head's per-token vectors (model.factored_head)
+    ("lm_head", ".head_bias"),  # the head's unigram bias (model.unigram_head_bias)
     ("norms", "norm"),
 )
 

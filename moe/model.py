@@ -105,6 +105,8 @@ class Transformer(nn.Module):
         self.within = (nn.Parameter(torch.empty(vocab_size, cfg.d_model))
                        if cfg.output_classes and cfg.factored_head else None)
         init_weights(self, cfg.n_layers)
+        # `unigram_head_bias`: zeros until `init_head_bias` is given the training mix's counts
+        self.head_bias = nn.Parameter(torch.zeros(rows)) if cfg.unigram_head_bias else None
         cos, sin = rope_tables(max_seq_len, cfg.d_model // cfg.n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -128,8 +130,18 @@ class Transformer(nn.Module):
         return self.norm(x), auxes
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: the embedding matrix when tied, else its own."""
-        return hidden @ self.embed.weight.T if self.head is None else self.head(hidden)
+        """The LM head: the embedding matrix when tied, else its own; plus the unigram bias, if any."""
+        out = hidden @ self.embed.weight.T if self.head is None else self.head(hidden)
+        return out if self.head_bias is None else out + self.head_bias.to(out.dtype)  # bf16 stays bf16
+
+    @torch.no_grad()
+    def init_head_bias(self, counts: torch.Tensor) -> None:
+        """Set the head's bias to the log frequency of each token in `counts` [V] (add-one smoothed; with
+        `output_classes`, of each class): at step 0 the model predicts the unigram distribution."""
+        rows = self.head_bias.numel()
+        per_row = torch.zeros(rows, dtype=torch.float64).index_add_(
+            0, torch.arange(len(counts)) % rows, counts.double()) + 1
+        self.head_bias.copy_((per_row / per_row.sum()).log().float())
 
     def targets(self, next_BS: torch.Tensor) -> torch.Tensor:
         """What the head predicts of the next tokens: the tokens, or with `output_classes` their classes."""
@@ -171,8 +183,9 @@ class Transformer(nn.Module):
         inactive = expert * (self.cfg.num_experts - self.cfg.top_k) // self.cfg.num_experts
         # lookup tables: the embedding, and a factored head's per-token vectors (a position reads a class's own)
         embedding = self.embed.weight.numel() + (self.within.numel() if self.within is not None else 0)
+        bias = self.head_bias.numel() if self.head_bias is not None else 0  # an add, not a matmul: no FLOPs
         return {"total": total, "active": total - inactive, "expert": expert, "embedding": embedding,
-                "active_non_embedding": total - inactive - embedding}
+                "active_non_embedding": total - inactive - embedding - bias}
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x active non-embedding parameters + attention (PaLM appendix B),

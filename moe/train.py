@@ -98,6 +98,8 @@ class Trainer:
         self.eos = tok.token_to_id(EOS) if cfg.document_mask else None
         self.max_len = max(self.data.max_len, cfg.seq_len)
         self.model = build_model(model_cfg, self.vocab, self.max_len, seed, self.eos)
+        if self.model.head_bias is not None:
+            self.model.init_head_bias(torch.from_numpy(self.data.token_counts(self.vocab)))
         if self.world is not None:
             self.world.shard(self.model)
         self.model.to(self.dev)

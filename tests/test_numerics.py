@@ -3,6 +3,7 @@ evaluation without capacity, document masking (issue 41)."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -101,6 +102,36 @@ def test_the_tied_embedding_is_not_decayed_unless_asked():
         assert shrunk == (matrices if asked else matrices - {"embed.weight"}), asked
         torch.testing.assert_close(model.blocks[0].attn.qkv.weight, before["blocks.0.attn.qkv.weight"] * 0.95)
 
+
+
+def test_the_head_starts_at_the_training_mix_unigram_distribution(mix_dir, tmp_path):
+    """`unigram_head_bias`: the head's bias starts at the log frequency of each token in the training mix, so the
+    first step's cross-entropy is near the mix's unigram entropy, well under a run without it (near ln V);
+    evaluation loads the bias with the model, and a model saved before the option existed loads without one."""
+    from moeflow.moe import evaluate
+    from moeflow.moe.data import Sequences
+
+    cfg = TrainConfig(steps=1, batch_size=8, seq_len=32, lr=1e-9, warmup_steps=1, checkpoint_every=1)
+    first = {}
+    for on in (True, False):
+        model_cfg = MOE.model_copy(update={"unigram_head_bias": on})
+        out = tmp_path / str(on)
+        vocab = train.run(model_cfg, cfg, seed=7, mix_dir=mix_dir, tokenizer_dir=mix_dir, out=out)["vocab_size"]
+        first[on] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["ce"]
+    counts = Sequences(mix_dir / "train.arrow").token_counts(vocab).astype(float) + 1
+    p = counts / counts.sum()
+    entropy = float(-(p * np.log(p)).sum())
+    assert first[False] == pytest.approx(np.log(vocab), rel=0.02)
+    # one batch's cross-entropy under the unigram distribution is near the whole mix's entropy, not equal
+    assert first[True] == pytest.approx(entropy, abs=0.1), (first, entropy)
+    assert first[True] < first[False] - (np.log(vocab) - entropy) / 2, (first, entropy)
+    loaded = evaluate.load_model(tmp_path / "True")
+    torch.testing.assert_close(loaded.head_bias.softmax(-1).double(), torch.from_numpy(p), rtol=1e-3, atol=1e-6)
+    meta_path = tmp_path / "False" / "model_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["unigram_head_bias"]
+    meta_path.write_text(json.dumps(meta))
+    assert evaluate.load_model(tmp_path / "False").head_bias is None
 
 class _HostSyncs(TorchFunctionMode):
     """Counts the calls that read a tensor's value back to the host (on a GPU each waits for its queue)."""
