@@ -87,10 +87,10 @@ def _fit_text(p: dict) -> str:
     fit = p["fit"]
     if fit.get("kind") == "additive":
         return ("Additive fit of the held-out loss: the narrow rung's loss at the target's steps plus the gain of the "
-                "target's shape over it at a few steps kept whole (Chinchilla's separable L(N, D) = g(N) + h(D): "
-                f"{fit['separable']}) or washed out by the target's tokens ({fit['gain_washed_out']}); the "
-                "prediction is the middle, the band spans both, widened by "
-                f"{fit['bootstrap_fits']} resamples of the held-out rows." + _lead_text(fit.get("lead")))
+                "target's shape over it at a few steps, kept whole (Chinchilla's separable L(N, D) = g(N) + h(D)); "
+                f"the band spans that gain doubled ({fit['gain_doubled']}) and washed out by the target's tokens "
+                f"({fit['gain_washed_out']}), widened by {fit['bootstrap_fits']} resamples of the held-out rows."
+                + _lead_text(fit.get("lead")))
     return (f"Fit L(C) = E + A (C / C_target)^-alpha: E = {fit['E']:.4g}, A = {fit['A']:.4g}, alpha = "
             f"{fit['alpha']:.4g} (residual RMS {fit['residual_rms']:.4g}; band from {fit['bootstrap_fits']} "
             "bootstrap refits).")
@@ -104,8 +104,8 @@ def _lead_text(lead: dict | None) -> str:
     if not lead["still_rising"]:
         return f" The target's shape's lead over the narrow rung in the short rungs {where}, before they ended."
     return (f" **Caution:** the target's shape's lead over the narrow rung {where}: it was still growing when the "
-            "short rungs ended, so their gain says little about the gain at the target's steps and the two ends need "
-            "not bracket the target. A larger `ladder.budget_fraction` runs the short rungs past that peak.")
+            "short rungs ended, so the gain at the target's steps is likely larger than theirs, and if more than "
+            "twice it the target lands below the band. A larger `ladder.budget_fraction` runs the short rungs longer.")
 
 
 def mix_search(ms: dict, ev: dict) -> dict:

@@ -82,23 +82,23 @@ def test_the_additive_plan_spends_what_its_narrow_full_rung_leaves_on_two_short_
     assert [(r["model"].d_model, r["train"].steps) for r in default] == [(32, 27), (128, 27), (32, 300)]
 
 
-def _law(d_model: int, steps: int, rows: int, rng, washes: bool) -> np.ndarray:
-    """Held-out row losses of a known L(N, D): separable (a width's gain the same at every D), or with the gain
-    washed out at 300 steps; row-to-row noise."""
-    gain = 40.0 / d_model * (max(0.0, 1 - steps / 300) if washes else 1.0)
+def _law(d_model: int, steps: int, rows: int, rng, growth: float) -> np.ndarray:
+    """Held-out row losses of a known L(N, D): a width's gain the same at every D (growth 1: separable), washed
+    out by 300 steps (growth 0), or grown to `growth` times its 30-step size by 300 steps; row-to-row noise."""
+    gain = 40.0 / d_model * (1 + (growth - 1) * (steps - 30) / 270)
     return 2.0 + gain + 30.0 / steps ** 0.5 + rng.normal(0, 0.05, rows)
 
 
-@pytest.mark.parametrize("washes", [False, True])
-def test_the_additive_band_holds_a_separable_law_and_one_whose_gain_washes_out(washes):
+@pytest.mark.parametrize("growth", [0.0, 1.0, 2.0])
+def test_the_additive_band_holds_a_separable_law_and_ones_whose_gain_washes_out_or_doubles(growth):
     rng = np.random.default_rng(0)
     shapes = [(32, 1, 30), (128, 2, 30), (32, 1, 300)]
     rows = [{"d_model": d, "n_layers": n, "steps": t, "final_loss": 5.0} for d, n, t in shapes]
-    held = [{dom: _law(d, t, 64, rng, washes) for dom in ("a", "b")} for d, _, t in shapes]
+    held = [{dom: _law(d, t, 64, rng, growth) for dom in ("a", "b")} for d, _, t in shapes]
     fit = ladder.additive(rows, held, configs.ModelConfig(d_model=128, n_layers=2), 300, bootstrap=200, seed=0)
-    truth = 2.0 + (0.0 if washes else 40.0 / 128) + 30.0 / 300 ** 0.5
-    end = fit["ends"]["gain_washed_out" if washes else "separable"]
-    assert end == pytest.approx(truth, abs=0.03)
+    truth = 2.0 + 40.0 / 128 * growth + 30.0 / 300 ** 0.5
+    near = {0.0: fit["ends"]["gain_washed_out"], 1.0: fit["predicted_heldout"], 2.0: fit["ends"]["gain_doubled"]}
+    assert near[growth] == pytest.approx(truth, abs=0.03)
     lo, hi = fit["heldout_band"]
     assert lo < truth < hi and lo < fit["predicted_heldout"] < hi
     assert fit["predicted_heldout"] == pytest.approx(sum(fit["ends"].values()) / 2)
@@ -127,14 +127,14 @@ def test_an_additive_prediction_is_registered_and_carded_against_the_held_out_lo
     p = ladder.predict(LadderConfig(fit="additive", widths=(32,)), model, train, [], seed=0, rung_dirs=dirs,
                        vocab=100, out=out, heldout=held)
     assert p == json.loads((out / "prediction.json").read_text())
-    # separable: 5.6 + 6.1 - 6.6 = 5.1; the gain washed out: 5.6
-    assert p["predicted_heldout_loss"] == pytest.approx(5.35) and p["heldout_band"] == [5.1, 5.6]
+    # separable: 5.6 + 6.1 - 6.6 = 5.1; the gain doubled: 4.6; washed out: 5.6
+    assert p["predicted_heldout_loss"] == pytest.approx(5.1) and p["heldout_band"] == [4.6, 5.6]
     assert [r["heldout_loss"] for r in p["rungs"]] == [6.6, 6.1, 5.6]
     ev = {"stats": {"heldout": {"a": {"loss": 5.0}, "b": {"loss": 5.4}}}}
     card = training.ladder({"stats": p, "artifact": {"hash": "h"}}, {"tail_loss": p["predicted_final_loss"]}, ev)
-    assert "| held-out loss (mean over domains) | 5.35 (5.1 to 5.6) | 5.2000 (inside the band) | -2.88% |" in (
+    assert "| held-out loss (mean over domains) | 5.1 (4.6 to 5.6) | 5.2000 (inside the band) | +1.92% |" in (
         card["prediction_table"])
-    assert "g(N) + h(D): 5.1) or washed out by the target's tokens (5.6)" in card["fit_text"]
+    assert "that gain doubled (4.6) and washed out by the target's tokens (5.6)" in card["fit_text"]
     # the short rungs' curves differ by 0.5 at every step: the first window is as high as any
     assert p["fit"]["lead"] == {"steps": 10, "peak_step": 2, "still_rising": False}
     assert "lead over the narrow rung in the short rungs peaked at step 2 of 10, before" in card["fit_text"]
@@ -153,7 +153,7 @@ def test_the_lead_of_the_wider_shape_is_found_still_growing_in_short_rungs_and_p
     assert short == {"steps": 5, "peak_step": 5, "still_rising": True}
     long = ladder.lead_peak(_curve(40, 8), _curve(40, 0))
     assert not long["still_rising"] and 8 <= long["peak_step"] <= 16
-    fit = {"kind": "additive", "separable": 5.1, "gain_washed_out": 5.6, "bootstrap_fits": 10, "lead": short}
+    fit = {"kind": "additive", "gain_doubled": 4.6, "gain_washed_out": 5.6, "bootstrap_fits": 10, "lead": short}
     text = training._fit_text({"fit": fit})
     assert "**Caution:** the target's shape's lead over the narrow rung peaked at step 5 of 5" in text
 
