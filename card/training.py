@@ -102,10 +102,11 @@ def _lead_text(lead: dict | None) -> str:
         return ""
     where = f"peaked at step {lead['peak_step']} of {lead['steps']}"
     if not lead["still_rising"]:
-        return f" The target's shape's lead over the narrow rung in the short rungs {where}, before they ended."
-    return (f" **Caution:** the target's shape's lead over the narrow rung {where}: it was still growing when the "
-            "short rungs ended, so the gain at the target's steps is likely larger than theirs, and if more than "
-            "twice it the target lands below the band. A larger `ladder.budget_fraction` runs the short rungs longer.")
+        return (f" The target's shape's lead over the narrow rung in the short rungs {where}, before they ended: "
+                "the gain may shrink by the target's steps, towards the band's upper end.")
+    return (f" The target's shape's lead over the narrow rung in the short rungs {where}: it was still growing when "
+            "they ended, so expect the target below the prediction, and below the band if the gain more than "
+            "doubles by its steps. A larger `ladder.budget_fraction` runs the short rungs longer.")
 
 
 def mix_search(ms: dict, ev: dict) -> dict:

@@ -155,7 +155,8 @@ def test_the_lead_of_the_wider_shape_is_found_still_growing_in_short_rungs_and_p
     assert not long["still_rising"] and 8 <= long["peak_step"] <= 16
     fit = {"kind": "additive", "gain_doubled": 4.6, "gain_washed_out": 5.6, "bootstrap_fits": 10, "lead": short}
     text = training._fit_text({"fit": fit})
-    assert "**Caution:** the target's shape's lead over the narrow rung peaked at step 5 of 5" in text
+    assert "lead over the narrow rung in the short rungs peaked at step 5 of 5: it was still growing" in text
+    assert "below the band if the gain more than doubles" in text
 
 
 def test_band_follows_the_ladder_curves(tmp_path):
