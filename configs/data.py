@@ -308,6 +308,10 @@ class MixSearchConfig(Frozen):
     objective: Literal["heldout"] | dict[str, float] = "heldout"
     # under this leave-one-out rank correlation the fit does not move the mix: the declared weights train
     min_rank_correlation: float = Field(default=0.5, ge=-1, le=1)
+    # the fit must expect a gain over the declared mix of at least this many times its own leave-one-out RMS error
+    # on the objective, or the declared weights train: a smaller gain is one the proxies cannot tell from their
+    # noise (0: any gain moves the mix)
+    min_gain_to_error: float = Field(default=1.0, ge=0)
 
     @field_validator("objective")
     @classmethod

@@ -16,12 +16,12 @@ losses as `objective` says. Its out-of-sample quality is the Spearman rank corre
 with the proxies' domain losses, averaged over domains (the objective's own is recorded beside it: the objective
 moves least of all, as its domains pull against each other). The chosen mix is the draw (among `CANDIDATES` from the
 same Dirichlet inside the proxies' range of each weight, plus the proxies' own) with the lowest predicted objective
-whose domains the target can train within `mix.max_epochs`: the search stays where its proxies looked. When the
-leave-one-out rank correlation is under `min_rank_correlation`, the proxies do not support moving the mix and the
-declared one is kept (the record says which). The record also holds the declared mix's predicted objective, the gain
-the fit expects of the move, and the fit's leave-one-out RMS error on the objective: a gain under that error is one
-the proxies cannot tell from their own noise. `search.json` pre-registers it, with its time, before the target's mix
-is built.
+whose domains the target can train within `mix.max_epochs`: the search stays where its proxies looked. The record
+also holds the declared mix's predicted objective, the gain the fit expects of the move, and the fit's leave-one-out
+RMS error on the objective. The proxies do not support moving the mix, and the declared one is kept (the record says
+which), when the leave-one-out rank correlation is under `min_rank_correlation` or the gain is under
+`min_gain_to_error` times that error: a gain the proxies cannot tell from their own noise. `search.json`
+pre-registers it, with its time, before the target's mix is built.
 """
 
 from __future__ import annotations
@@ -163,11 +163,10 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
     feasible = [i for i in np.argsort(pred) if max(epochs(pool[i], s, domain_tokens).values()) <= s["max_epochs"]]
     if not feasible:
         raise ConfigError("mix.search: no candidate mix fits mix.max_epochs; raise it or add data")
-    best, why = int(feasible[0]), "the fit's lowest predicted objective"
-    if not rho >= search.min_rank_correlation:  # (nan too) the proxies do not support moving the mix
-        best, why = 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
     declared = search.reduce(predict(law, [s["weights"]])[0])
     loo_error = [search.reduce(p) - search.reduce(x) for p, x in zip(held, seen)]
+    rmse = float(np.sqrt(np.mean(np.square(loo_error))))
+    best, why = _gate(int(feasible[0]), rho, declared - float(pred[feasible[0]]), rmse, search)
     return {"law": {d: {"c": c[0], "b": dict(zip(domains, c[1:]))} for d, c in law.items()},
             "ridge": None if math.isinf(ridge) else ridge, "loo_rank_correlation": rho,
             "loo_rank_correlation_per_domain": per_domain, "loo_objective_rank_correlation": objective_rho,
@@ -175,8 +174,23 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
             "weights": {d: round(v, 6) for d, v in pool[best].items()}, "predicted_objective": float(pred[best]),
             # what the fit expects the move to gain, beside how far it misses the objective of a proxy it left out
             "predicted_declared": declared, "predicted_gain": declared - float(pred[best]),
-            "loo_objective_rmse": float(np.sqrt(np.mean(np.square(loo_error)))),
+            "loo_objective_rmse": rmse,
+            # the fit's lowest feasible candidate and its gain, moved to or not
+            "candidate": {d: round(v, 6) for d, v in pool[feasible[0]].items()},
+            "candidate_gain": declared - float(pred[feasible[0]]),
             "epochs": epochs(pool[best], s, domain_tokens)}
+
+
+def _gate(best: int, rho: float, gain: float, rmse: float, search) -> tuple[int, str]:
+    """The candidate `best`, or 0 (the declared mix) where the proxies do not support moving: their leave-one-out
+    rank correlation `rho` is under `min_rank_correlation`, or the `gain` the fit expects is under
+    `min_gain_to_error` times its leave-one-out RMS error on the objective. With the reason."""
+    if not rho >= search.min_rank_correlation:  # (nan too)
+        return 0, f"declared: the leave-one-out rank correlation {rho:.3f} < {search.min_rank_correlation:g}"
+    if gain < search.min_gain_to_error * rmse:
+        return 0, (f"declared: the gain the fit expects, {gain:.4f}, is under {search.min_gain_to_error:g} x its "
+                   f"leave-one-out error on the objective, {rmse:.4f}")
+    return best, "the fit's lowest predicted objective"
 
 
 def inside(m: dict[str, float], mixes: list[dict[str, float]], domains: list[str]) -> bool:

@@ -98,7 +98,8 @@ def test_without_out_of_sample_support_the_declared_mix_is_kept():
     kept = mix_search.choose(s, mixes, noise, plenty)
     assert kept["loo_rank_correlation"] < 0.5
     assert kept["weights"] == pytest.approx(s["weights"]) and kept["chosen_as"].startswith("declared")
-    lax = mix_search.choose({**s, "search": configs.MixSearchConfig(min_rank_correlation=-1)}, mixes, noise, plenty)
+    lax = mix_search.choose({**s, "search": configs.MixSearchConfig(min_rank_correlation=-1, min_gain_to_error=0)},
+                            mixes, noise, plenty)
     assert lax["weights"] != pytest.approx(s["weights"])
     assert mix_search.inside(lax["weights"], mixes, list(s["weights"]))
 
@@ -122,6 +123,25 @@ def test_the_record_sets_the_predicted_gain_beside_the_fits_own_error():
              for row in np.random.default_rng(0).normal(0, 0.01, (len(mixes), 3))]
     kept = mix_search.choose(s, mixes, noise, plenty)
     assert kept["chosen_as"].startswith("declared") and kept["predicted_gain"] == 0.0
+
+
+def test_a_gain_under_the_fits_own_error_keeps_the_declared_mix():
+    """Domain laws that barely move with the weights, under noise the size of their differences: the fit still
+    finds a lowest candidate, but its gain is under its leave-one-out error, so the declared weights train; with
+    `min_gain_to_error: 0` the same fit moves the mix."""
+    s = _slice()
+    mixes = [s["weights"]] + mix_search.draws(s["weights"], 8.0, 7, seed=0)
+    rng = np.random.default_rng(5)
+    y = [{d: 3.0 - 0.01 * np.log(m[d]) + rng.normal(0, 0.01) for d in m} for m in mixes]
+    plenty = {d: 10**9 for d in s["weights"]}
+    ranked = configs.MixSearchConfig(min_rank_correlation=-1)
+    kept = mix_search.choose({**s, "search": ranked}, mixes, y, plenty)
+    assert kept["weights"] == pytest.approx(s["weights"]) and kept["predicted_gain"] == 0.0
+    assert "gain" in kept["chosen_as"] and kept["chosen_as"].startswith("declared")
+    free = mix_search.choose({**s, "search": ranked.model_copy(update={"min_gain_to_error": 0})}, mixes, y, plenty)
+    assert free["weights"] != pytest.approx(s["weights"])
+    assert 0 < free["predicted_gain"] < free["loo_objective_rmse"] == pytest.approx(kept["loo_objective_rmse"])
+    assert kept["candidate"] == free["weights"] and kept["candidate_gain"] == pytest.approx(free["predicted_gain"])
 
 
 def test_proxies_with_a_class_head_train_longer_for_the_same_budget():
