@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from scipy.stats import spearmanr
 
 from moeflow.configs import ConfigError, EvalConfig, RunConfig
-from moeflow.configs.data import tilt
+from moeflow.configs.data import MixSearchConfig, tilt
 from moeflow.moe import evaluate, ladder
 from moeflow.tokenize import tokenizer
 
@@ -166,7 +166,9 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
     declared = search.reduce(predict(law, [s["weights"]])[0])
     loo_error = [search.reduce(p) - search.reduce(x) for p, x in zip(held, seen)]
     rmse = float(np.sqrt(np.mean(np.square(loo_error))))
-    best, why = _gate(int(feasible[0]), rho, declared - float(pred[feasible[0]]), rmse, search)
+    top = int(feasible[0])
+    gain = declared - float(pred[top])
+    best, why = _gate(top, rho, gain, rmse, search)
     return {"law": {d: {"c": c[0], "b": dict(zip(domains, c[1:]))} for d, c in law.items()},
             "ridge": None if math.isinf(ridge) else ridge, "loo_rank_correlation": rho,
             "loo_rank_correlation_per_domain": per_domain, "loo_objective_rank_correlation": objective_rho,
@@ -176,12 +178,11 @@ def choose(s: dict, mixes: list[dict], losses: list[dict[str, float]], domain_to
             "predicted_declared": declared, "predicted_gain": declared - float(pred[best]),
             "loo_objective_rmse": rmse,
             # the fit's lowest feasible candidate and its gain, moved to or not
-            "candidate": {d: round(v, 6) for d, v in pool[feasible[0]].items()},
-            "candidate_gain": declared - float(pred[feasible[0]]),
+            "candidate": {d: round(v, 6) for d, v in pool[top].items()}, "candidate_gain": gain,
             "epochs": epochs(pool[best], s, domain_tokens)}
 
 
-def _gate(best: int, rho: float, gain: float, rmse: float, search) -> tuple[int, str]:
+def _gate(best: int, rho: float, gain: float, rmse: float, search: MixSearchConfig) -> tuple[int, str]:
     """The candidate `best`, or 0 (the declared mix) where the proxies do not support moving: their leave-one-out
     rank correlation `rho` is under `min_rank_correlation`, or the `gain` the fit expects is under
     `min_gain_to_error` times its leave-one-out RMS error on the objective. With the reason."""
