@@ -13,10 +13,11 @@ from moeflow.card.model_card import CARD, render_card
 from moeflow.card.report import DAG, HTML, REPORT, dag_svg, render_html, render_report
 
 
-def generate(start: Path | list[Path], out: Path) -> dict:
+def generate(start: Path | list[Path], out: Path, export: dict | None = None) -> dict:
     """Write the card, the dataset card, the report and the plots for the artifact(s) at `start`.
 
-    A card artifact at `start` stands for its inputs.
+    A card artifact at `start` stands for its inputs. `export`: the stats of an export being written (its
+    card is written into it before its lineage record exists).
     """
     roots = [Path(p).resolve() for p in (start if isinstance(start, list) else [start])]
     if len(roots) == 1 and (roots[0] / "lineage.json").exists():
@@ -34,7 +35,7 @@ def generate(start: Path | list[Path], out: Path) -> dict:
                                            quality and quality["stats"]), out / "plots" / plots.WATERFALL)
     if quality is not None:
         plots.quality_histograms(quality["stats"], quality["config"], out / "plots" / plots.QUALITY)
-    card_md, report_md = render_card(graph), render_report(graph)
+    card_md, report_md = render_card(graph, export), render_report(graph)
     (out / CARD).write_text(card_md)
     (out / DATASET_CARD).write_text(render_dataset_card(graph))
     (out / REPORT).write_text(report_md)

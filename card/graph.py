@@ -9,7 +9,7 @@ from moeflow.store.url import ensure
 
 DATA_STAGES = ("ingest", "filter", "dedup", "decontaminate")
 CARD_STAGES = (*DATA_STAGES, "benchmarks", "tokenizer", "mix", "train", "evaluate")  # each must be unique
-OPTIONAL_STAGES = ("overlap", "mix_search", "ladder", "quality_model", "quality")
+OPTIONAL_STAGES = ("overlap", "mix_search", "ladder", "quality_model", "quality", "export")
 # the stages whose artifact is documents, in order; quality only when the run configures it
 DOCUMENT_STAGES = ("ingest", "filter", "dedup", "quality", "decontaminate")
 

@@ -13,14 +13,18 @@ CARD = "README.md"
 TEMPLATE = "model_card.md.j2"
 
 
-def render_card(graph: dict[str, dict]) -> str:
-    """The model card (Markdown with YAML metadata) from the lineage graph of `collect`."""
+def render_card(graph: dict[str, dict], export: dict | None = None) -> str:
+    """The model card (Markdown with YAML metadata) from the lineage graph of `collect`; `export`: the stats
+    of the export this card is written into, where the graph has no export record yet."""
     g = by_stage(graph)
+    exported = _export(g["export"]["stats"], g["export"]) if "export" in g else (
+        _export(export, None) if export else None)
     train = g["train"]
     ts = train["stats"]
     text = render(
         TEMPLATE,
-        card_data=_metadata(g).to_yaml(),
+        card_data=_metadata(g, bool(exported)).to_yaml(),
+        export=exported,
         name=_model_name(train),
         run_config=train["run_config"],
         ts=ts,
@@ -62,15 +66,37 @@ def _license(sources: dict) -> tuple[str, str | None]:
     return "other", "mixed: " + ", ".join(licenses)
 
 
-def _metadata(g: dict[str, dict]) -> ModelCardData:
-    """The card's YAML: languages (only what was identified), licence, datasets, and the eval results."""
+def _export(stats: dict, record: dict | None) -> dict:
+    """The export's architecture, where it is (`record`: its lineage; None: the folder this card is written
+    into), and how closely transformers reproduced moeflow's model."""
+    rows = [[d, r["sequences"], r["tokens"], r["moeflow_loss"], r["transformers_loss"], r["abs_loss_diff"],
+             r["max_abs_logprob_diff"]] for d, r in sorted(stats["domains"].items())]
+    return {
+        "architecture": stats["architecture"],
+        "transformers": stats["transformers"],
+        "artifact": f"export-{record['artifact']['hash']}" if record else "this folder",
+        "path": f"../../export/export-{record['artifact']['hash']}" if record else ".",
+        "max_diff": stats["max_abs_logprob_diff"],
+        "tokens": stats["tokens_compared"],
+        "tolerance": stats["tolerance"],
+        "tokenizer": stats["tokenizer_class"],
+        "texts": stats["texts_compared"],
+        "table": table(["domain", "sequences", "tokens", "moeflow loss", "transformers loss", "abs. Δ loss",
+                        "max. abs. Δ log p"], rows),
+    }
+
+
+def _metadata(g: dict[str, dict], exported: bool = False) -> ModelCardData:
+    """The card's YAML: languages (only what was identified), licence, datasets, and the eval results; the
+    library is transformers where the model was exported (else moeflow's own PyTorch files)."""
     sources = g["ingest"]["stats"]["sources"]
     license_id, license_name = _license(sources)
     return ModelCardData(
         language=list(g["filter"]["config"].get("languages") or []) or None,  # only what was identified
         license=license_id,
         license_name=license_name,
-        library_name="pytorch",
+        library_name="transformers" if exported else "pytorch",
+        pipeline_tag="text-generation" if exported else None,
         tags=["moeflow", "mixture-of-experts", *(["dropless-moe"] * _dropless(g["train"])), "text-generation"],
         datasets=sorted(sources),
         model_name=_model_name(g["train"]),

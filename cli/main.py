@@ -1,7 +1,7 @@
 """The `moeflow` command line.
 
 Run the pipeline, say why stages rebuild, fetch data, start a local stack, regenerate cards, export
-the corpus as a dataset, explain documents, list and tidy the artifact store.
+the corpus as a dataset, publish the exported model, explain documents, list and tidy the artifact store.
 
 Each command imports what it runs (the flow, prefect, the card, datasets) inside its function: importing all
 of them takes seconds (4.5 s measured on a 2-core machine), and `moeflow --help` answers in about 0.1 s.
@@ -25,7 +25,7 @@ from moeflow.core.paths import PACKAGE_ROOT
 # too long for `--help` (tests/test_layout.py keeps the two equal)
 STAGE_HELP = (
     "sources, ingest, filter, dedup, quality_model, quality, benchmarks, decontaminate, overlap, tokenizer, "
-    "tokenize, proxy_mix, proxy, mix_search, mix, rung_mix, rung, ladder, train, evaluate, card"
+    "tokenize, proxy_mix, proxy, mix_search, mix, rung_mix, rung, ladder, train, evaluate, export, card"
 )
 
 
@@ -341,6 +341,25 @@ def _export(args) -> int:
     return 0
 
 
+def _publish(args) -> int:
+    from moeflow.export.publish import publish
+
+    try:
+        done = publish(Path(args.artifact_dir), args.to, dry_run=args.dry_run, private=args.private)
+    except (ValueError, FileExistsError) as e:
+        print(f"moeflow publish: {e}", file=sys.stderr)
+        return 1
+    if done["dry_run"]:
+        where = f"the Hub repository {done['to']}" if done["kind"] == "hub" else f"the new folder {done['to']}"
+        print(f"would publish {len(done['files'])} files ({done['bytes'] / 2**20:.1f} MB) from {done['source']} "
+              f"to {where}:")
+        for rel, size in done["files"]:
+            print(f"  {size:>12,}  {rel}")
+        return 0
+    print(f"published {len(done['files'])} files ({done['bytes'] / 2**20:.1f} MB) -> {done['to']}")
+    return 0
+
+
 def _runs(cfg) -> list[dict]:
     """The store's run records, oldest first."""
     from moeflow.store.url import store_for
@@ -482,7 +501,7 @@ def _stack_commands(sub) -> None:
 
 
 def _card_commands(sub) -> None:
-    """card, export: documents generated from lineage."""
+    """card, export, publish: documents generated from lineage, and the model leaving the store."""
     c = sub.add_parser(
         "card",
         help="regenerate a model card and lineage report from an artifact's lineage alone",
@@ -505,6 +524,20 @@ def _card_commands(sub) -> None:
     x.add_argument("--stage", default="decontaminate",
                    choices=["ingest", "filter", "dedup", "quality", "decontaminate"])
     x.set_defaults(fn=_export)
+
+    pub = sub.add_parser(
+        "publish",
+        help="copy a run's exported transformers model (with its card) to a folder, or upload it to the Hub",
+        description="Copy the export in ARTIFACT_DIR (an export artifact, or a card artifact of a run that "
+        "exported) to --to: a new local folder, or, given as owner/name, a Hugging Face Hub model repository "
+        "(created if needed; credentials as huggingface_hub reads them, e.g. HF_TOKEN). --dry-run lists what "
+        "would go and where, and sends nothing.",
+    )
+    pub.add_argument("artifact_dir", metavar="ARTIFACT_DIR")
+    pub.add_argument("--to", required=True, metavar="DIR_OR_REPO", help="a new folder, or owner/name on the Hub")
+    pub.add_argument("--dry-run", action="store_true", help="list the files and the destination; copy nothing")
+    pub.add_argument("--private", action="store_true", help="create the Hub repository private")
+    pub.set_defaults(fn=_publish)
 
 
 def _store_commands(sub) -> None:

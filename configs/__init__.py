@@ -31,7 +31,15 @@ from moeflow.configs.quality import (
     SyntheticNegatives,
 )
 from moeflow.configs.run import RunConfig, load, resolve
-from moeflow.configs.training import AlarmConfig, EvalConfig, LadderConfig, ModelConfig, TrainConfig, TrainStageConfig
+from moeflow.configs.training import (
+    AlarmConfig,
+    EvalConfig,
+    ExportConfig,
+    LadderConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainStageConfig,
+)
 
 __all__ = [
     "AlarmConfig",
@@ -45,6 +53,7 @@ __all__ = [
     "DecontamConfig",
     "DedupConfig",
     "EvalConfig",
+    "ExportConfig",
     "FilterConfig",
     "HeldoutConfig",
     "KeepRule",

@@ -23,7 +23,7 @@ from moeflow.configs.data import (
     TokenizerConfig,
 )
 from moeflow.configs.quality import QualityConfig
-from moeflow.configs.training import EvalConfig, LadderConfig, ModelConfig, TrainConfig
+from moeflow.configs.training import EvalConfig, ExportConfig, LadderConfig, ModelConfig, TrainConfig
 from moeflow.core.paths import cache_dir
 from moeflow.store.format import is_remote
 from moeflow.store.mirror import mirror_root
@@ -71,6 +71,9 @@ class RunConfig(Frozen):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvalConfig = EvalConfig()
+    # the trained model as a stock `transformers` folder, checked by loading it back; null: no export (a model
+    # the export cannot express exactly, such as `model.glu: false`, needs it)
+    export: ExportConfig | None = ExportConfig()
     ladder: LadderConfig | None = None  # set: a scaling ladder predicts the target run before it starts
     execution: ExecutionConfig = ExecutionConfig()
 

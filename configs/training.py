@@ -40,8 +40,10 @@ class ModelConfig(Frozen):
     factored_head: bool = False
     # the LM head adds a bias that starts at the log of each token's (or class's) frequency in the training mix,
     # so step 0 predicts the unigram distribution: a narrow tied head otherwise spends its first steps learning it
-    # (width 16 sat at ln V for 10-15 steps), which is most of a short run and no measure of the model's capacity
-    unigram_head_bias: bool = True
+    # (width 16 sat at ln V for 10-15 steps), which is most of a short run and no measure of the model's capacity.
+    # Off by default: no stock architecture that vLLM serves has a head bias, so a model with it cannot be
+    # exported exactly (export/convert.py); what leaving it off costs is measured in benchmarks/README.md
+    unigram_head_bias: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -206,4 +208,17 @@ class EvalConfig(Frozen):
     benchmark_items: int = Field(default=100, ge=0)
     benchmark_seed: int = 0
     # where evaluation computes; unset: `train.device` (the evaluate stage fills it in)
+    device: Literal["auto", "cpu", "cuda"] | None = operational(None)
+
+
+class ExportConfig(Frozen):
+    """The `export` stage: the trained model as a stock `transformers` folder (`Qwen2MoeForCausalLM`), loaded
+    back and compared with moeflow's own forward on the evaluation's held-out rows (export/)."""
+
+    # the largest |log p(moeflow) - log p(transformers)| over every held-out token allowed, in float32: the stage
+    # fails above it (rounding of the two implementations' sums is ~1e-6; a wrong tensor is ~1)
+    tolerance: float = Field(default=1e-4, gt=0)
+    # held-out rows per domain compared; unset: evaluate.max_sequences_per_domain (the rows the card's loss is on)
+    max_sequences_per_domain: int | None = Field(default=None, gt=0)
+    # where the comparison computes; unset: evaluate's device
     device: Literal["auto", "cpu", "cuda"] | None = operational(None)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from moeflow import configs, ingest, quality
+from moeflow import configs, export, ingest, quality
 from moeflow.card.stages import CARD
 from moeflow.core.logs import route_loguru, route_moeflow_logs
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
+from moeflow.export.stages import EXPORT
 from moeflow.filters.stages import FILTER
 from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.moe.stages import EVALUATE, LADDER, MIX_SEARCH, PROXY, RUNG, TRAIN
@@ -34,6 +35,7 @@ def pretrain(config: str = "tiny", until: str | None = None, rerun: list[str] | 
     cfg = configs.load(config)
     ingest.preflight(cfg)  # a source that matches nothing fails here, before any work
     quality.preflight(cfg)  # and a model file fastText cannot use, or too few positives
+    export.preflight(cfg)  # and a model the export cannot write exactly (naming the option)
     run = Pipeline(cfg, rerun=rerun or (), until=until)
     # `moeflow gc` waits while this run uses the store, and until its record names what it used
     store = store_for(cfg.store_url())
@@ -81,7 +83,10 @@ def dag(run, cfg: configs.RunConfig):
     evals = run(EVALUATE, model=model, mix=mixed, tokenizer=tok, index=index)  # index: benchmark scores
     # the card reads the whole graph: its key follows train too (whose bytes change whenever it reruns),
     # not only evaluate, whose bytes stay the same when, say, only the ladder changed
-    return run(CARD, evaluate=evals, overlap=leftover, model=model, sources=src)
+    graph = {"evaluate": evals, "overlap": leftover, "model": model, "sources": src}
+    if cfg.export:  # a stock transformers folder, compared on evaluate's rows, the card written into it too
+        graph["export"] = run(EXPORT, mix=mixed, tokenizer=tok, **graph)
+    return run(CARD, **graph)
 
 
 @flow(name="mix_search", validate_parameters=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from moeflow.card.stages import CARD
 from moeflow.core.stage import Stage
 from moeflow.dedup.stages import BENCHMARKS, DECONTAMINATE, DEDUP, OVERLAP
+from moeflow.export.stages import EXPORT
 from moeflow.filters.stages import FILTER
 from moeflow.ingest.stages import INGEST, SOURCES
 from moeflow.moe.stages import EVALUATE, LADDER, MIX_SEARCH, PROXY, RUNG, TRAIN
@@ -17,5 +18,6 @@ from moeflow.tokenize.stages import MIX, PROXY_MIX, RUNG_MIX, TOKENIZE, TOKENIZE
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (SOURCES, INGEST, FILTER, DEDUP, QUALITY_MODEL, QUALITY, BENCHMARKS, DECONTAMINATE, OVERLAP,
-              TOKENIZER, TOKENIZE, PROXY_MIX, PROXY, MIX_SEARCH, MIX, RUNG_MIX, RUNG, LADDER, TRAIN, EVALUATE, CARD)
+              TOKENIZER, TOKENIZE, PROXY_MIX, PROXY, MIX_SEARCH, MIX, RUNG_MIX, RUNG, LADDER, TRAIN, EVALUATE, EXPORT,
+              CARD)
 }

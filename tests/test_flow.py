@@ -47,7 +47,7 @@ def cold(smoke_run):
 
 def test_cold_run_builds_every_stage_and_trains(cold):
     _, summary = cold
-    assert _whole(summary["stages"]) == [*UPSTREAM, "mix", "train", "evaluate", "card"]
+    assert _whole(summary["stages"]) == [*UPSTREAM, "mix", "train", "evaluate", "export", "card"]
     assert not any(s["reused"] for s in summary["stages"].values())
     train = json.loads((Path(summary["stages"]["train"]["artifact"]) / "lineage.json").read_text())["stats"]
     assert train["loss_fell"] and train["final_loss"] < train["initial_loss"]
@@ -115,6 +115,59 @@ def test_card_reports_what_the_lineage_holds(cold):
     }
 
 
+def test_the_export_loads_in_transformers_and_gives_the_cards_heldout_loss(cold):
+    """The folder beside the trained model is a transformers model: loaded by the real library with no remote
+    code, its held-out loss per domain (computed here, on evaluation's rows) is the card's within 1e-4, and the
+    card and the folder's own README say how to load it and how closely it agreed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.moe.evaluate import HeldOut
+
+    _, summary = cold
+    stages = summary["stages"]
+    folder = Path(stages["export"]["artifact"])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    ev = json.loads((Path(stages["evaluate"]["artifact"]) / "lineage.json").read_text())
+    held = HeldOut(Path(stages["mix"]["artifact"]), ev["config"]["max_sequences_per_domain"])
+    for domain, picked in held.picked.items():
+        rows = torch.from_numpy(held.data[picked])
+        with torch.no_grad():
+            logits = model(input_ids=rows[:, :-1], use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), rows[:, 1:], reduction="none").mean(1)
+        assert abs(float(loss.mean()) - ev["stats"]["heldout"][domain]["loss"]) <= 1e-4, domain
+    stats = json.loads((folder / "lineage.json").read_text())["stats"]
+    assert stats["max_abs_logprob_diff"] <= stats["tolerance"]
+    card_text, own = Path(summary["card"]).read_text(), (folder / "README.md").read_text()
+    for text in (card_text, own):
+        assert yaml.safe_load(text.split("---")[1])["library_name"] == "transformers"
+        assert "## Use with transformers" in text
+        assert f"differ from moeflow's by at most {stats['max_abs_logprob_diff']}" in text
+    assert f'from_pretrained("../../export/{folder.name}")' in card_text and 'from_pretrained(".")' in own
+
+
+def test_publish_copies_the_export_to_a_folder_and_lists_an_upload_without_sending(cold, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.cli import main
+
+    _, summary = cold
+    card_dir, export_dir = (Path(summary["stages"][s]["artifact"]) for s in ("card", "export"))
+    assert main(["publish", str(card_dir), "--to", str(tmp_path / "out")]) == 0  # a card stands for its export
+    shipped = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert shipped == sorted(str(p.relative_to(export_dir)) for p in export_dir.rglob("*")
+                             if p.is_file() and p.name != "manifest.json")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert main(["publish", str(export_dir), "--to", str(tmp_path / "out")]) == 1  # never over a folder
+    capsys.readouterr()
+    assert main(["publish", str(export_dir), "--to", "someone/moeflow-smoke", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "the Hub repository someone/moeflow-smoke" in out and "model.safetensors" in out
+    assert main(["publish", str(Path(summary["stages"]["train"]["artifact"])), "--to", str(tmp_path / "x")]) == 1
+    assert "a `train` artifact" in capsys.readouterr().err
+
+
 def test_card_regenerates_identically_from_lineage(cold, tmp_path):
     _, summary = cold
     card_dir = Path(summary["stages"]["card"]["artifact"])
@@ -143,7 +196,7 @@ def test_new_mix_weights_rerun_only_mix_and_downstream(cold, tmp_path):
     for stage in UPSTREAM:
         assert out["stages"][stage]["reused"], stage
         assert out["stages"][stage]["hash"] == first["stages"][stage]["hash"]
-    for stage in ("mix", "train", "evaluate", "card"):
+    for stage in ("mix", "train", "evaluate", "export", "card"):
         assert not out["stages"][stage]["reused"], stage
         assert out["stages"][stage]["hash"] != first["stages"][stage]["hash"]
     _report_shows_what_the_run_rebuilt(Path(out["stages"]["card"]["artifact"]), out["stages"])

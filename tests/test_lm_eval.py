@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,3 +151,75 @@ def test_the_card_splits_found_items_and_fails_without_the_per_item_records(tmp_
     (Path(ev["_dir"]) / scores.ITEMS).unlink()
     with pytest.raises(FileNotFoundError, match=r"benchmarks.jsonl.*--rerun evaluate"):
         evaluation.scores(ev, train, decon)  # not a table saying "none found"
+
+
+HF_TASKS = [("arc_easy", "arc/arc_easy.yaml", "arc"), ("piqa", "piqa/piqa.yaml", "piqa")]  # the smoke preset's
+# transformers' Qwen2-MoE keeps its RMSNorm and router softmax in float32 even in a float64 model, so each token's
+# log p agrees to float32's rounding (the export stage measures ~1e-6 a token) and a continuation's sum to that
+# times its tokens: a bound of 1e-5 a token (ARC's -67.66 nats differed by 9.5e-5, PIQA's -260.38 by 1.1e-4)
+HF_PER_TOKEN = 1e-5
+
+
+def _tokens(req: dict, tok, eos: int) -> list[int]:
+    """Each continuation's token count, as the evaluate stage encodes it."""
+    return [len(evaluate.encode_pair(tok, c, k, eos)[1])
+            for c, k in zip(req["contexts"], req["continuations"], strict=True)]
+
+
+def test_lm_eval_hf_on_the_export_gives_evaluates_log_likelihoods_and_scores(smoke_run):
+    """A second implementation checks our scores: `lm_eval --model hf` (its HFLM, the real transformers model
+    loaded from the export folder, batched and truncated as lm-eval does) on the items the evaluate stage
+    scored gives every item's log-likelihoods of `benchmarks.jsonl` within HF_PER_TOKEN a token, and the same
+    metrics (a choice within that bound of the winner can win either way)."""
+    from lm_eval.models.huggingface import HFLM
+
+    cfg_path, summary = smoke_run
+    stages = summary["stages"]
+    ev_dir, export_dir = Path(stages["evaluate"]["artifact"]), Path(stages["export"]["artifact"])
+    recs = [json.loads(line) for line in (ev_dir / scores.ITEMS).read_text().splitlines()]
+    # `lm_eval --model hf --model_args pretrained=DIR,dtype=float64,experts_implementation=eager`: float64 as the
+    # evaluate stage scores (a near tie between two choices must not flip), and transformers' eager experts
+    # (its default, grouped_mm, has no float64 kernel)
+    lm = HFLM(pretrained=str(export_dir), backend="causal", dtype="float64", device="cpu", batch_size=16,
+              experts_implementation="eager")
+    cfg = configs.load(cfg_path)
+    tok = tokenizer.load(Path(stages["tokenizer"]["artifact"]))
+    window = json.loads((export_dir / "config.json").read_text())["max_position_embeddings"]
+    eos = tok.token_to_id(tokenizer.EOS)
+    for task, yml, bench in HF_TASKS:
+        benchmark = next(b for b in cfg.benchmarks if b.name == bench)
+        docs = {i: d for i, m, d in contamination.records(benchmark) if formats.task_of(m) == task}
+        scored = [r for r in recs if r["task"] == task]
+        # lm-eval refuses a continuation longer than the window (our evaluation keeps its end): those items go
+        counts = {r["item_id"]: _tokens(formats.request(task, docs[r["item_id"]]), tok, eos) for r in scored}
+        mine = [r for r in scored if max(counts[r["item_id"]]) <= window]
+        assert len(mine) >= 0.5 * len(scored) > 0, (task, len(mine), len(scored))  # smoke: a 64-token window
+        lm_task = _lm_eval_task(yml, [docs[r["item_id"]] for r in mine])
+        results = lm.loglikelihood(lm_task.instances, disable_tqdm=True)
+        by_doc: dict[int, list] = {}
+        for inst, res in zip(lm_task.instances, results, strict=True):
+            by_doc.setdefault(inst.doc_id, []).append((inst.idx, res, inst.doc))
+        accs, ties = [], 0
+        for doc_id, rec in enumerate(mine):
+            theirs = [res for _, res, _ in sorted(by_doc[doc_id], key=lambda x: x[0])]
+            bounds = HF_PER_TOKEN * np.array(counts[rec["item_id"]], float)
+            for ours, (ll, _), bound in zip(rec["loglikelihoods"], theirs, bounds, strict=True):
+                assert abs(ours - ll) <= bound, (task, rec["item_id"], ours, ll, bound)
+            doc = by_doc[doc_id][0][2]
+            from_ours = lm_task.process_results(doc, [(ll, False) for ll in rec["loglikelihoods"]])
+            assert {m: rec[m] for m in ("acc", "acc_norm")} == {m: from_ours[m] for m in ("acc", "acc_norm")}
+            metrics = lm_task.process_results(doc, theirs)
+            lengths = np.array([len(c) for c in formats.request(task, docs[rec["item_id"]])["choices"]], float)
+            for metric, score, slack in (("acc", np.array(rec["loglikelihoods"]), bounds),
+                                         ("acc_norm", np.array(rec["loglikelihoods"]) / lengths, bounds / lengths)):
+                first, second = np.argsort(score)[::-1][:2]
+                if score[first] - score[second] > slack[first] + slack[second]:  # no tie within the bound
+                    assert metrics[metric] == rec[metric], (task, rec["item_id"], metric)
+                else:
+                    ties += metric == "acc"
+            accs.append(metrics["acc"])
+        # the task's score: lm-eval's over these items against ours, apart from ties within the tolerance
+        assert abs(sum(accs) - sum(r["acc"] for r in mine)) <= ties, task
+        if len(mine) == len(scored) and not ties:  # every item scored both ways: the score the card shows
+            summary_acc = json.loads((ev_dir / "lineage.json").read_text())["stats"]["benchmarks"][task]["acc"]
+            assert round(sum(accs) / len(accs), 4) == summary_acc, task
