@@ -1,13 +1,14 @@
 """Experts as one grouped MLP over tokens sorted by expert (MegaBlocks layout: w1, v1, w2 as [E*F, D]).
 
 Legend: T tokens (sorted by expert), D model width, F expert hidden width, E experts.
-On the CPU, `_ExpertLoop` runs each expert's rows through its whole MLP, forward and backward. It saves
+On the CPU, from `LOOP_FROM_ROWS` assignments a call (below it, grouped_mm is faster there too), `_ExpertLoop`
+runs each expert's rows through its whole MLP, forward and backward. It saves
 the rows and the two pre-activations only (autograd over the grouped path kept five [T, F] tensors; at
 16,384 tokens the extra allocations cost ~10% of a layer pass in page faults, benchmarks/README.md) and
 writes each weight gradient once, in place. With several intra-op threads the experts run in parallel, each
 on one thread (`_each_expert`): split across threads, each expert's small matmuls and activations waited
 for every thread at every op, 8x more waits at 64 experts than at 8 (benchmarks/README.md, moe_scaling).
-Elsewhere `grouped_linear` has two paths:
+Elsewhere (CUDA, and the CPU below `LOOP_FROM_ROWS`) `grouped_linear` has two paths:
 `torch.nn.functional.grouped_mm` over the jagged groups when the shapes meet its 16-byte stride rule, else
 a loop over unbound experts (never index `w[e]` per expert: each index's backward writes a full-size
 gradient). Both compute the same products in the same order: on the CPU the outputs and gradients are
@@ -200,6 +201,12 @@ class _ExpertLoop(torch.autograd.Function):
         return dx, dw1, dv1, dw2, None
 
 
+# On the CPU the per-expert loop takes over from grouped_mm at this many assignments (rows) a layer call: below
+# it torch's CPU grouped_mm (2.13) is faster, above it the loop's one-thread-per-expert (benchmarks/README.md,
+# vs_transformers.py; measured on 2 threads, fp32, 8 and 64 experts, at 2k-32k rows)
+LOOP_FROM_ROWS = 16384
+
+
 class GroupedMLP(nn.Module):
     """Parameter holder named like MegaBlocks' `experts.mlp` so state dicts load into either backend."""
 
@@ -218,8 +225,9 @@ class GroupedMLP(nn.Module):
         kind = x_TD.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_TD.dtype
         x = x_TD.to(dtype)
-        if x_TD.is_cpu:  # the per-expert loop (a query of the device, not a pin: tests/test_device.py)
+        if x_TD.is_cpu:  # a query of the device, not a pin: tests/test_device.py
             keep_freed_memory()
+        if x_TD.is_cpu and x_TD.shape[0] >= LOOP_FROM_ROWS:  # the per-expert loop
             v1 = None if self.v1 is None else self.v1.to(dtype).view(E, F_, D)
             with torch.autocast(kind, enabled=False):  # the operands are cast already: nothing for it to recast
                 y = _ExpertLoop.apply(x, self.w1.to(dtype).view(E, F_, D), v1, self.w2.to(dtype).view(E, F_, D),

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.configs import ModelConfig
+from moeflow.moe import experts as experts_module
 from moeflow.moe.experts import GroupedMLP, grouped_linear
 from moeflow.moe.layer import MoE
 from moeflow.moe.losses import load_balancing_loss, router_z_loss
@@ -62,10 +63,11 @@ def _grouped(mlp: GroupedMLP, x_AD: torch.Tensor, counts_E: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("glu", [True, False], ids=["glu", "mlp"])
 @pytest.mark.parametrize("experts", [8, 64])
-def test_cpu_expert_loop_gives_the_grouped_path_outputs_and_gradients(experts, glu):
+def test_cpu_expert_loop_gives_the_grouped_path_outputs_and_gradients(experts, glu, monkeypatch):
     """Same products in the same order: identical on the machines the loop was written on (max difference 0).
     On an AMD EPYC the matmul library picks another kernel for some slices, and 5 of 131,072 gradient elements
     differed by up to 2.5e-7: the tolerance allows a few float32 roundings of sums over 64 products, no more."""
+    monkeypatch.setattr(experts_module, "LOOP_FROM_ROWS", 0)  # the loop for these few rows too
     torch.manual_seed(0)
     mlp = GroupedMLP(experts, d_model=64, hidden=32, glu=glu)
     counts = torch.randint(0, 40, (experts,))
@@ -78,6 +80,16 @@ def test_cpu_expert_loop_gives_the_grouped_path_outputs_and_gradients(experts, g
         results.append((y, *torch.autograd.grad(y, (x, *mlp.parameters()), g)))
     for new, old in zip(*results):
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_takes_the_loop_from_its_threshold_and_grouped_mm_below(monkeypatch):
+    calls = []
+    real = experts_module._ExpertLoop.apply
+    monkeypatch.setattr(experts_module._ExpertLoop, "apply", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    mlp = GroupedMLP(4, d_model=16, hidden=8, glu=True)
+    for rows in (experts_module.LOOP_FROM_ROWS - 4, experts_module.LOOP_FROM_ROWS):
+        mlp(torch.randn(rows, 16), torch.full((4,), rows // 4))
+    assert calls == [experts_module.LOOP_FROM_ROWS]
 
 
 def test_state_dict_uses_megablocks_names_and_shapes():
@@ -176,6 +188,7 @@ def test_cpu_experts_run_in_parallel_one_thread_each_with_one_thread_results(two
         forward(*block)
 
     monkeypatch.setattr(experts, "_glu_forward", spy)
+    monkeypatch.setattr(experts, "LOOP_FROM_ROWS", 0)  # the loop for these few rows too
     torch.manual_seed(0)
     layer = MoE(ModelConfig(d_model=64, n_heads=2, num_experts=16, top_k=2, expert_hidden=32))
     x = torch.randn(300, 64)
