@@ -74,8 +74,9 @@ def _export(stats: dict, record: dict | None) -> dict:
     return {
         "architecture": stats["architecture"],
         "transformers": stats["transformers"],
-        "artifact": f"export-{record['artifact']['hash']}" if record else "this folder",
-        "path": f"../../export/export-{record['artifact']['hash']}" if record else ".",
+        # the artifact's name follows train's bytes (its timings), so it is named in the run record only
+        "artifact": "the run's `export` artifact (named in the run record below)" if record else "this folder",
+        "path": "<store>/export/export-<hash>" if record else ".",
         "max_diff": stats["max_abs_logprob_diff"],
         "tokens": stats["tokens_compared"],
         "tolerance": stats["tolerance"],

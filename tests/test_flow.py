@@ -144,7 +144,8 @@ def test_the_export_loads_in_transformers_and_gives_the_cards_heldout_loss(cold)
         assert yaml.safe_load(text.split("---")[1])["library_name"] == "transformers"
         assert "## Use with transformers" in text
         assert f"differ from moeflow's by at most {stats['max_abs_logprob_diff']}" in text
-    assert f'from_pretrained("../../export/{folder.name}")' in card_text and 'from_pretrained(".")' in own
+    assert 'from_pretrained("<store>/export/export-<hash>")' in card_text and 'from_pretrained(".")' in own
+    assert folder.name in card_text.split(card.RUN_RECORD)[-1]  # named where what differs between runs is
 
 
 def test_publish_copies_the_export_to_a_folder_and_lists_an_upload_without_sending(cold, tmp_path, capsys):
