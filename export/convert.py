@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeflow.configs import ModelConfig
+
 # No torch import: the flow's preflight and the stage registry read `unmappable` in processes (a data stage's
 # workers) that should not hold torch; the tensors below are torch's, used through their methods.
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -32,45 +34,57 @@ MODEL_TYPE = "qwen2_moe"
 EPS = float(np.finfo(np.float32).eps)  # nn.RMSNorm's eps when none is given (torch.finfo(torch.float32).eps)
 
 
-def unmappable(model: dict) -> list[str]:
-    """The options of a model config (`model_config.json`'s fields) that Qwen2-MoE cannot express exactly,
-    each with what to set instead; empty when it exports."""
+class ExportError(RuntimeError):
+    """The exported folder does not reproduce the trained model: what differs, and by how much."""
+
+
+def model_config(meta: dict) -> ModelConfig:
+    """The model's config from a train artifact's `model_config.json` (which also holds vocabulary, length and
+    the document EOS)."""
+    return ModelConfig(**{k: v for k, v in meta.items() if k in ModelConfig.model_fields})
+
+
+def unmappable(model: ModelConfig) -> list[str]:
+    """The options of a model config that Qwen2-MoE cannot express exactly, each with what to set instead;
+    empty when it exports."""
     why = []
-    if not model.get("glu", True):
+    if not model.glu:
         why.append("model.glu: false (Qwen2-MoE's experts and MLPs are SwiGLU): set glu: true")
-    if model.get("output_classes") is not None:
+    if model.output_classes is not None:
         why.append("model.output_classes (a class head, for mixture-search proxies): remove it")
-    if model.get("unigram_head_bias", False):
+    if model.unigram_head_bias:
         why.append("model.unigram_head_bias: true (Qwen2-MoE's LM head has no bias): set it to false")
     return why
 
 
+def _dense_only(m: ModelConfig) -> list[int]:
+    return [i for i in range(m.n_layers) if not m.is_moe(i)]
+
+
 def hf_config(meta: dict, eos_id: int) -> dict:
     """`config.json` for `Qwen2MoeForCausalLM` from moeflow's `model_config.json`."""
-    layers, dense = meta["n_layers"], meta.get("dense_layers", 0)
-    every = meta.get("moe_every", 1)
-    dense_only = [i for i in range(layers) if not (i >= dense and (i - dense) % every == 0)]
+    m = model_config(meta)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "vocab_size": meta["vocab_size"],
-        "hidden_size": meta["d_model"],
-        "num_hidden_layers": layers,
-        "num_attention_heads": meta["n_heads"],
-        "num_key_value_heads": meta["n_heads"],
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_heads,
         "hidden_act": "silu",
-        "intermediate_size": meta.get("dense_hidden") or meta["top_k"] * meta["expert_hidden"],
-        "moe_intermediate_size": meta["expert_hidden"],
-        "shared_expert_intermediate_size": meta.get("shared_expert_hidden") or 1,
-        "num_experts": meta["num_experts"],
-        "num_experts_per_tok": meta["top_k"],
-        "norm_topk_prob": meta.get("normalize_expert_weights", True),
+        "intermediate_size": m.dense_hidden or m.top_k * m.expert_hidden,  # as moe/model.py's Block
+        "moe_intermediate_size": m.expert_hidden,
+        "shared_expert_intermediate_size": m.shared_expert_hidden or 1,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": m.normalize_expert_weights,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": dense_only,
+        "mlp_only_layers": _dense_only(m),
         "max_position_embeddings": meta["max_seq_len"],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "rms_norm_eps": EPS,
-        "tie_word_embeddings": meta.get("tie_embeddings", True),
+        "tie_word_embeddings": m.tie_embeddings,
         "qkv_bias": True,
         "use_sliding_window": False,
         "attention_dropout": 0.0,
@@ -98,16 +112,16 @@ def _mlp(prefix: str, src: str, sd: dict, scale: float = 1.0) -> dict:
             f"{prefix}.down_proj.weight": sd[f"{src}.down_proj.weight"] * scale}
 
 
-def _moe(prefix: str, src: str, sd: dict, meta: dict) -> dict:
+def _moe(prefix: str, src: str, sd: dict, m: ModelConfig) -> dict:
     """Router, experts one by one, and the gated shared expert of one MoE layer."""
-    E, F_, D = meta["num_experts"], meta["expert_hidden"], meta["d_model"]
+    E, F_, D = m.num_experts, m.expert_hidden, m.d_model
     out = {f"{prefix}.gate.weight": sd[f"{src}.router.layer.weight"]}
     w1, v1, w2 = (sd[f"{src}.experts.mlp.{n}"].view(E, F_, D) for n in ("w1", "v1", "w2"))
     for e in range(E):
         out[f"{prefix}.experts.{e}.gate_proj.weight"] = w1[e]
         out[f"{prefix}.experts.{e}.up_proj.weight"] = v1[e]
         out[f"{prefix}.experts.{e}.down_proj.weight"] = w2[e].T  # moeflow computes h @ w2: [F, D] -> [D, F]
-    if meta.get("shared_expert_hidden"):
+    if m.shared_expert_hidden:
         out |= _mlp(f"{prefix}.shared_expert", f"{src}.shared_expert", sd, scale=2.0)  # the gate halves it
     else:  # no shared expert: one of width 1 whose weights are zero adds exactly 0
         zero = sd[f"{src}.router.layer.weight"].new_zeros
@@ -118,15 +132,38 @@ def _moe(prefix: str, src: str, sd: dict, meta: dict) -> dict:
     return out
 
 
+class _Reads(dict):
+    """A state dict that remembers which tensors were read."""
+
+    def __init__(self, sd: dict):
+        super().__init__(sd)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
 def hf_state_dict(sd: dict, meta: dict) -> dict:
-    """moeflow's state dict (`model.safetensors` of `train`) under Qwen2-MoE's tensor names; every source
-    tensor is used exactly once (`convert` checks it)."""
-    D, H = meta["d_model"], meta["n_heads"]
+    """moeflow's state dict (`model.safetensors` of `train`) under Qwen2-MoE's tensor names. Every source tensor
+    must be read: one the mapping would leave out, or one it needs and the checkpoint lacks, is an ExportError."""
+    m, src = model_config(meta), _Reads(sd)
+    try:
+        out = _mapped(src, m)
+    except KeyError as e:
+        raise ExportError(f"export: the checkpoint lacks the tensor {e} that {ARCHITECTURE} needs") from None
+    if left := sorted(set(sd) - src.read):
+        raise ExportError(f"export: tensors the mapping to {ARCHITECTURE} would drop: {left}")
+    return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def _mapped(sd: dict, m: ModelConfig) -> dict:
+    D, H = m.d_model, m.n_heads
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not meta.get("tie_embeddings", True):
+    if not m.tie_embeddings:
         out["lm_head.weight"] = sd["head.weight"]
-    dense_only = set(hf_config(meta, 0)["mlp_only_layers"])
-    for i in range(meta["n_layers"]):
+    dense_only = set(_dense_only(m))
+    for i in range(m.n_layers):
         src, dst = f"blocks.{i}", f"model.layers.{i}"
         q, k, v = sd[f"{src}.attn.qkv.weight"].split(D)
         out |= {f"{dst}.self_attn.q_proj.weight": _rotate_half_order(q, H),
@@ -140,25 +177,8 @@ def hf_state_dict(sd: dict, meta: dict) -> dict:
         if i in dense_only:
             out |= _mlp(f"{dst}.mlp", f"{src}.mlp", sd)
         else:
-            out |= _moe(f"{dst}.mlp", f"{src}.moe", sd, meta)
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
-
-
-def used_keys(meta: dict) -> set[str]:
-    """The moeflow tensor names `hf_state_dict` reads: compared with the checkpoint's, nothing is dropped."""
-    keys = {"embed.weight", "norm.weight"} | ({"head.weight"} if not meta.get("tie_embeddings", True) else set())
-    dense_only = set(hf_config(meta, 0)["mlp_only_layers"])
-    for i in range(meta["n_layers"]):
-        b = f"blocks.{i}"
-        keys |= {f"{b}.attn.qkv.weight", f"{b}.attn.out.weight", f"{b}.attn_norm.weight", f"{b}.ffn_norm.weight"}
-        mlp = ("gate_proj", "up_proj", "down_proj")
-        if i in dense_only:
-            keys |= {f"{b}.mlp.{n}.weight" for n in mlp}
-            continue
-        keys |= {f"{b}.moe.router.layer.weight"} | {f"{b}.moe.experts.mlp.{n}" for n in ("w1", "v1", "w2")}
-        if meta.get("shared_expert_hidden"):
-            keys |= {f"{b}.moe.shared_expert.{n}.weight" for n in mlp}
-    return keys
+            out |= _moe(f"{dst}.mlp", f"{src}.moe", sd, m)
+    return out
 
 
 def tokenizer_files(tokenizer_json: Path, out: Path, eos: str, max_len: int) -> None:

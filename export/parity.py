@@ -11,14 +11,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moeflow.export.convert import ExportError
 from moeflow.moe.evaluate import HeldOut
 from moeflow.moe.model import Transformer
 
 BATCH = 8  # held-out rows a forward pass, as evaluation's
-
-
-class ExportError(RuntimeError):
-    """The exported folder does not reproduce the trained model: what differs, and by how much."""
 
 
 @contextmanager
@@ -83,10 +80,9 @@ def _logprobs(model, rows_BS: torch.Tensor, eos: int | None, hf: bool) -> torch.
     return lp.gather(-1, rows_BS[:, 1:, None]).squeeze(-1)
 
 
-def compare(ours: Transformer, theirs, mix_dir: Path, cap: int, dev: torch.device) -> dict:
+def compare(ours: Transformer, theirs, held: HeldOut, dev: torch.device) -> dict:
     """Per domain of the held-out set (the rows evaluation scores): both models' loss, their |difference|,
     and over every token the largest |log p difference|."""
-    held = HeldOut(mix_dir, cap)
     ours, theirs = ours.to(dev), theirs.to(dev)
     domains, worst, tokens = {}, 0.0, 0
     for domain, picked in held.picked.items():

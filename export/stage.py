@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.torch import load_file, save_file
 
 from moeflow.card.generate import generate
@@ -17,7 +16,7 @@ from moeflow.moe.evaluate import HeldOut, load_model
 from moeflow.tokenize import tokenizer
 
 WEIGHTS = "model.safetensors"
-# what the card's loading example and `moeflow publish` name; the rest of the folder is the card's
+# the model's files (its stats list them); the rest of the folder is the card's
 MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS, "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
 
@@ -25,22 +24,18 @@ MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS, "tokenizer.json
 def write(train_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
     """The model files of the export in `out`, from a train artifact's weights and the tokenizer artifact."""
     meta = json.loads((Path(train_dir) / "model_config.json").read_text())
-    why = convert.unmappable(meta)
+    why = convert.unmappable(convert.model_config(meta))
     if why:
         raise ConfigError(f"export: the model at {train_dir} cannot be written as {convert.ARCHITECTURE}: "
                           + "; ".join(why))
     sd = load_file(str(Path(train_dir) / WEIGHTS))
-    left, unknown = set(sd) - convert.used_keys(meta), convert.used_keys(meta) - set(sd)
-    if left or unknown:  # a tensor the mapping would drop, or one it expects and the checkpoint lacks
-        raise parity.ExportError(f"export: {train_dir}/{WEIGHTS}: tensors not mapped {sorted(left)}, "
-                                 f"expected but absent {sorted(unknown)}")
+    tensors = convert.hf_state_dict(sd, meta)  # fails on a tensor it would drop or lacks, before any file
     tok = tokenizer.load(tokenizer_dir)
     eos = tok.token_to_id(tokenizer.EOS)
     config = convert.hf_config(meta, eos)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, indent=2))
-    tensors = convert.hf_state_dict(sd, meta)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     convert.tokenizer_files(Path(tokenizer_dir) / tokenizer.TOKENIZER, out, tokenizer.EOS, meta["max_seq_len"])
     return {"architecture": convert.ARCHITECTURE, "tensors": len(tensors), "source_tensors": len(sd),
@@ -55,12 +50,9 @@ def stage(cfg: ExportConfig, inputs: dict, out: Path) -> dict:
 
     stats = write(inputs["model"].dir, inputs["tokenizer"].dir, out)
     theirs, warnings = parity.load_back(out)
-    ours = load_model(inputs["model"].dir).float()
-    dev = device.resolve(cfg.device or "auto")
-    with torch.no_grad():
-        stats |= parity.compare(ours, theirs, inputs["mix"].dir, cfg.max_sequences_per_domain, dev)
-    held = HeldOut(inputs["mix"].dir, cfg.max_sequences_per_domain)  # every row compared, decoded, encoded again
-    rows = held.data[np.concatenate(list(held.picked.values()))]
+    held = HeldOut(inputs["mix"].dir, cfg.max_sequences_per_domain)
+    stats |= parity.compare(load_model(inputs["model"].dir), theirs, held, device.resolve(cfg.device or "auto"))
+    rows = held.data[np.concatenate(list(held.picked.values()))]  # every row compared, decoded, encoded again
     stats |= parity.tokenizer_agrees(out, tokenizer.load(inputs["tokenizer"].dir), rows)
     stats |= {"tolerance": cfg.tolerance, "transformers": transformers.__version__, "load_warnings": warnings}
     if stats["max_abs_logprob_diff"] > cfg.tolerance:

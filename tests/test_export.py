@@ -16,7 +16,7 @@ from moeflow import configs
 from moeflow.configs import ConfigError, ModelConfig
 from moeflow.export import convert, parity, preflight
 from moeflow.export.stage import write
-from moeflow.moe.evaluate import load_model
+from moeflow.moe.evaluate import HeldOut, load_model
 from moeflow.moe.model import Transformer
 from moeflow.tokenize import mix, tokenizer
 
@@ -62,7 +62,7 @@ def test_transformers_loads_the_export_and_gives_moeflows_log_probabilities(tmp_
     assert stats["source_tensors"] == len(load_model(root).state_dict())
     theirs, warnings = parity.load_back(out)  # fails on any missing, unexpected or mismatched tensor
     assert type(theirs).__name__ == "Qwen2MoeForCausalLM"
-    got = parity.compare(load_model(root), theirs, root, cap=6, dev=torch.device("cpu"))
+    got = parity.compare(load_model(root), theirs, HeldOut(root, 6), torch.device("cpu"))
     assert got["tokens_compared"] == 12 * 32
     assert got["max_abs_logprob_diff"] < 1e-5, got
     assert set(got["domains"]) == {"a", "b"}
@@ -76,7 +76,7 @@ def test_a_document_masked_model_matches_with_its_restarted_positions(tmp_path):
     out.mkdir()
     write(root, root, out)
     theirs, _ = parity.load_back(out)
-    got = parity.compare(load_model(root), theirs, root, cap=6, dev=torch.device("cpu"))
+    got = parity.compare(load_model(root), theirs, HeldOut(root, 6), torch.device("cpu"))
     assert got["max_abs_logprob_diff"] < 1e-5, got
     # without the positions transformers attends across documents: the check can tell the two apart
     rows = torch.from_numpy(mix_rows(root))
@@ -115,7 +115,7 @@ def test_a_wrong_tensor_fails_the_comparison(tmp_path):
     """The check must be able to fail: one expert's weights swapped with another's after export."""
     root, out = _tampered(tmp_path, _swap)
     theirs, _ = parity.load_back(out)
-    got = parity.compare(load_model(root), theirs, root, cap=6, dev=torch.device("cpu"))
+    got = parity.compare(load_model(root), theirs, HeldOut(root, 6), torch.device("cpu"))
     assert got["max_abs_logprob_diff"] > 1e-3
 
 
@@ -159,5 +159,17 @@ def test_a_model_the_export_cannot_write_is_refused_before_any_work(tmp_path, fi
 
 def test_a_class_head_is_refused():
     assert any("output_classes" in w for w in convert.unmappable(
-        {"output_classes": 64, "tie_embeddings": False, "glu": True}))
-    assert convert.unmappable(ModelConfig().model_dump(mode="json")) == []
+        ModelConfig(output_classes=64, tie_embeddings=False)))
+    assert convert.unmappable(ModelConfig()) == []
+
+
+def test_the_mapping_refuses_a_checkpoint_with_a_tensor_it_would_drop_or_lacks(tmp_path):
+    root, m = _trained(tmp_path / "run", {})
+    meta = json.loads((root / "model_config.json").read_text())
+    sd = dict(m.state_dict())
+    assert len(convert.hf_state_dict(sd, meta)) > len(sd)  # the clean checkpoint maps
+    with pytest.raises(parity.ExportError, match="would drop.*blocks.0.extra"):
+        convert.hf_state_dict({**sd, "blocks.0.extra": sd["norm.weight"]}, meta)
+    del sd["blocks.1.moe.router.layer.weight"]
+    with pytest.raises(parity.ExportError, match="lacks the tensor 'blocks.1.moe.router.layer.weight'"):
+        convert.hf_state_dict(sd, meta)
