@@ -58,7 +58,8 @@ chaos: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m chaos -v tests/test_faults.py tests/test_objstore.py
 
-# memory: a 2 GB generated source through every data stage to `mix` in a 1.5 GiB memory cgroup
+# memory: a 2 GB generated source through every data stage to `mix`, and a 20 GB decompression bomb through
+# ingest, in a 1.5 GiB memory cgroup
 big: setup
 	$(BIN)/moeflow fetch smoke
 	$(BIN)/python -m pytest -m big -v tests/test_faults.py

@@ -33,6 +33,10 @@ class SourceConfig(Frozen):
     license: str
     max_docs: int | None = Field(default=None, gt=0)  # keep the first N files/records (sorted paths)
     max_doc_bytes: int = Field(default=10_000_000, gt=0)  # larger documents are quarantined as too_large
+    # a compressed file (.gz, .zst, a parquet row group by its footer) expanding past this many bytes a compressed
+    # byte, or past max_decompressed_bytes in all, is a decompression bomb: read up to there, the rest quarantined
+    max_expansion: float = Field(default=100.0, gt=1)
+    max_decompressed_bytes: int | None = Field(default=None, gt=0)
     optional: bool = False  # skip with a warning when its package cannot be fetched on this machine
     split: str | None = None  # hf_dataset: the split of a saved DatasetDict
     builder: Literal["json", "csv", "parquet", "arrow", "text"] | None = None  # hf_files: how to load them

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moeflow.configs import Format, SourceConfig
+from moeflow.ingest import lines
 from moeflow.ingest.errors import ReadError, SourceError
 
 # never the Hub: set before `datasets` is first imported (it reads them once)
@@ -62,7 +63,12 @@ def fingerprint(files: list[Path]) -> str | None:
 
 def rows(src: SourceConfig, path: Path) -> Iterator[tuple[int, object]]:
     """(row number from 1, row) of one file: an Arrow file of a saved dataset, memory-mapped, or a local
-    file loaded by `src.builder` with `streaming=True`; only the id and text fields are kept."""
+    file loaded by `src.builder` with `streaming=True`; only the id and text fields are kept. A compressed file
+    (.gz, .zst) is first read through once, bounded (`lines.chunks`): `datasets` would hold a line whole, so a
+    decompression bomb is stopped before it is handed over."""
+    if src.format == Format.hf_files and path.suffix in lines.COMPRESSED:
+        for _ in lines.chunks(path, lines.Bound.of(src)):
+            pass
     import datasets  # here, not at the top: about a second to import, and only hf_* sources need it
 
     datasets.disable_progress_bars()

@@ -11,6 +11,7 @@ import orjson
 
 from moeflow.configs import SourceConfig
 from moeflow.ingest import lines
+from moeflow.ingest.errors import reason
 from moeflow.ingest.lines import LineCut, Overlong
 from moeflow.ingest.records import Quarantine
 
@@ -23,7 +24,7 @@ def rows(src: SourceConfig, path: Path, span: tuple[int, int] | None) -> Iterato
         stream = lines.split(_span_chunks(path, begin, span[1]), _line_limit(src))
         yield from parsed(stream, before + 1, _fields(src))
     else:
-        yield from parsed(lines.split(lines.chunks(path), _line_limit(src)), 1, _fields(src))
+        yield from parsed(lines.split(lines.chunks(path, lines.Bound.of(src)), _line_limit(src)), 1, _fields(src))
 
 
 def _fields(src: SourceConfig) -> tuple[str, ...]:
@@ -55,7 +56,7 @@ def parsed(stream: Iterator[bytes | Overlong], first: int = 1, fields: tuple[str
         yield (
             cut.line,
             Quarantine(
-                "unreadable_file",
+                reason(cut.error),
                 (f"line {cut.line} truncated by the read error after {cut.size:,} bytes: {cut}"),
             ),
         )

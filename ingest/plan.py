@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moeflow.configs import Format
-from moeflow.ingest import parquet
+from moeflow.ingest import lines, parquet
 from moeflow.ingest.resolve import ResolvedSource
 
 SPAN_BYTES = 64 << 20  # a plain jsonl file larger than this is read by several shards, this much each
@@ -53,7 +53,7 @@ def units(sources: list[ResolvedSource]) -> list[Unit]:
             continue
         for i, (path, size) in enumerate(zip(rs.files, sizes, strict=True)):
             groups = parquet.row_groups(path) if rs.config.format == Format.parquet else []
-            plain = rs.config.format == Format.jsonl and path.suffix not in (".gz", ".zst")
+            plain = rs.config.format == Format.jsonl and path.suffix not in lines.COMPRESSED
             if len(groups) > 1:
                 total = sum(groups) or 1
                 out += [Unit(s, (i, i + 1), (g, g + 1), size * n // total) for g, n in enumerate(groups)]

@@ -9,7 +9,7 @@ from pathlib import Path
 from moeflow.configs import Format, SourceConfig
 from moeflow.ingest import hf, jsonl, parquet, text
 from moeflow.ingest.errors import READ_ERRORS
-from moeflow.ingest.lines import LineCut
+from moeflow.ingest.lines import Bound, LineCut
 from moeflow.ingest.names import relative_name
 from moeflow.ingest.plan import Unit
 from moeflow.ingest.records import Record, row_record, unread
@@ -61,6 +61,6 @@ def _rows(src: SourceConfig, path: Path, unit: Unit) -> Iterator[tuple[int, obje
     if src.format in (Format.hf_dataset, Format.hf_files):
         yield from hf.rows(src, path)
     elif src.format == Format.parquet:
-        yield from parquet.rows(path, unit.groups)
+        yield from parquet.rows(path, unit.groups, Bound.of(src))
     else:
         yield from jsonl.rows(src, path, unit.span)

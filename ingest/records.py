@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moeflow.configs import SourceConfig
-from moeflow.ingest.errors import why
+from moeflow.ingest.errors import reason, why
 from moeflow.ingest.lines import LineCut
 from moeflow.ingest.names import printable
 
@@ -51,15 +51,14 @@ def utf8_size(text: str) -> int:
 def unread(base: str, path: Path, read: int, e: Exception) -> Iterator[Record]:
     """Ledger rows for what a read error left of a jsonl file (or a parquet file whose footer cannot be
     read), `read` records in (see `reader.records`)."""
-    reason = str(e) if isinstance(e, LineCut) else why(e)
+    fate = reason(e.error if isinstance(e, LineCut) else e)
+    detail = str(e) if isinstance(e, LineCut) else why(e)
     if not read:
         yield (
             base,
             path,
             None,
-            Quarantine(
-                "unreadable_file", f"{reason} (before any record; how many records the file holds is unknown)"
-            ),
+            Quarantine(fate, f"{detail} (before any record; how many records the file holds is unknown)"),
         )
     else:
         after = f"line {e.line}" if isinstance(e, LineCut) else f"{read} records"
@@ -68,9 +67,9 @@ def unread(base: str, path: Path, read: int, e: Exception) -> Iterator[Record]:
             path,
             None,
             Quarantine(
-                "unreadable_file",
+                fate,
                 (
-                    f"{reason} (nothing after {after} could be read: how many records the rest of the file "
+                    f"{detail} (nothing after {after} could be read: how many records the rest of the file "
                     "holds is unknown, maybe none; this one row stands for them)"
                 ),
             ),

@@ -89,6 +89,24 @@ def write_large_jsonl(path: Path, size: int, unique: int = 1000, words: int = 30
     return lines
 
 
+def bomb(path: Path, expands_to: int, head: bytes = b"") -> Path:
+    """A compressed file by `path`'s extension (.zst, .gz) holding `head` and then `expands_to` zero bytes,
+    written a block at a time (a 20 GB zstd bomb is about 640 KB, written in seconds)."""
+    import zlib
+
+    import zstandard
+
+    c = zstandard.ZstdCompressor(level=1).compressobj() if path.suffix == ".zst" else zlib.compressobj(
+        9, zlib.DEFLATED, 31)
+    block = bytes(64 << 20)
+    with open(path, "wb") as f:
+        f.write(c.compress(head))
+        for left in range(expands_to, 0, -len(block)):
+            f.write(c.compress(block[:left]))
+        f.write(c.flush())
+    return path
+
+
 def join_parts(folder: Path, n: int, build, merge, cfg=None, phase: str = "shard") -> tuple[Path, dict]:
     """A one-phase sharded stage run by hand: `build(out, (rank, n))` per shard, then `merge`; returns the
     joined folder and its stats."""

@@ -321,6 +321,13 @@ class _MemoryCap:
     def join(self) -> None:  # in the child, before exec
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
+    def peak(self) -> int | None:
+        """The most memory the group has held (v2 `memory.peak`, v1 `memory.max_usage_in_bytes`), if known."""
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            if (self.path / name).exists():
+                return int((self.path / name).read_text())
+        return None
+
     def oom_kills(self) -> int:
         for line in self.events.read_text().splitlines():
             if line.startswith("oom_kill "):
@@ -368,6 +375,7 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
             }
         ],
         filter={"steps": ["length"], "overrides": {}},
+        quality=None,  # smoke's classifier keeps by per-domain rules for domains this config has not
         mix={"weights": {"synthetic": 1.0}, "phases": []},
         execution={"shards": 4},  # two workers (the cores), each shard a quarter of the documents
     )  # dedup.partitions unset: 17 for 1.2M documents (`dedup.corpus.partitions`)
@@ -397,3 +405,53 @@ def test_a_source_larger_than_memory_streams_through_every_data_stage(prefect_se
     assert stats["tokenize"]["documents_out"] == stats["decontaminate"]["documents_out"]
     assert stats["mix"]["train_tokens"] > 0
     assert stats["dedup"]["partitions"] == -(-lines * 14 // 1_000_000)
+
+
+@pytest.mark.big
+def test_a_20_gb_decompression_bomb_is_quarantined_at_flat_memory(prefect_server, smoke_data, tmp_path):
+    """`moeflow run --until ingest` over a source holding a 640 KB zstd file that expands to 20 GB, under
+    `make big`'s memory cap: the bomb is quarantined `decompression_bomb`, the source's other file is kept.
+    Peak memory (the cgroup's, where one can be made) does not grow with what a bomb expands to: a bomb of zeros
+    is one long line, held, as any line is, up to the line limit (6 x max_doc_bytes + 1 MiB), so a 1 GB and a
+    20 GB bomb each stay within that limit and 32 MiB (a decompressed chunk, noise) of the run without one.
+    """
+    import resource
+
+    from helpers import bomb
+    from moeflow.configs import SourceConfig
+    from moeflow.core.ledger import read as read_ledger
+    from moeflow.ingest.jsonl import _line_limit
+
+    limit, peaks = 1536 << 20, {}
+    for case, size in (("without", 0), ("1 GB", 1 << 30), ("20 GB", 20 << 30)):
+        folder = tmp_path / case / "in"
+        folder.mkdir(parents=True)
+        (folder / "good.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                                                   for i in range(200)))
+        if size:
+            assert bomb(folder / "bomb.jsonl.zst", size).stat().st_size < 1 << 20
+        store = tmp_path / case / "store"
+        source = {"name": "s", "path": str(folder / "*"), "format": "jsonl", "domain": "synthetic", "license": "cc0"}
+        config = write_config(tmp_path / case / "bomb.yaml", store=str(store), sources=[source],
+                              filter={"steps": ["length"], "overrides": {}}, quality=None,
+                              mix={"weights": {"synthetic": 1.0}, "phases": []})
+        cap = _MemoryCap(limit)
+        try:
+            _finish(_start(config, "--until", "ingest", preexec_fn=cap.join if cap.path else None), timeout=600)
+            if cap.path:
+                assert cap.oom_kills() == 0
+                peaks[case] = cap.peak()
+        finally:
+            if cap.path:
+                cap.remove()
+        if not cap.path:
+            assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < limit
+        (ingest,) = _artifacts(store)["ingest"]
+        ledger = read_ledger(next(store.glob("ingest/ingest-*"))).to_pylist()
+        bombs = {r["doc_id"] for r in ledger if r["reason"] == "decompression_bomb"}
+        assert bombs == ({"s/bomb.jsonl.zst#L1", "s/bomb.jsonl.zst#rest"} if size else set())
+        assert ingest["stats"]["documents_out"] == 200
+    print("cgroup peaks:", peaks)
+    if peaks and None not in peaks.values():
+        line = _line_limit(SourceConfig(**source))
+        assert max(peaks["1 GB"], peaks["20 GB"]) - peaks["without"] < line + (32 << 20), peaks

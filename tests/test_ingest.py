@@ -269,7 +269,7 @@ def test_plain_file_read_error_mid_file(tmp_path, monkeypatch):
     """An OS read error (EIO) on a plain file: the bytes read before it are used, the rest is unknown."""
     import errno
 
-    def failing_chunks(path):
+    def failing_chunks(path, *bound):
         yield HEAD
         raise OSError(errno.EIO, "Input/output error")
 

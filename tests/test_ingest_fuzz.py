@@ -378,8 +378,8 @@ def test_fuzzed_files_changing_while_read(tmp_path_factory, texts, how, shards):
     later = [*texts[: len(texts) // 2], "appended text"]
     chunks = ingest_lines.chunks
 
-    def meddling(p):
-        for i, chunk in enumerate(chunks(p)):
+    def meddling(p, *bound):
+        for i, chunk in enumerate(chunks(p, *bound)):
             yield chunk
             if i == 0:
                 _change(p, how, later)
@@ -427,8 +427,8 @@ def test_regression_a_file_deleted_while_read_with_a_shard_after_it(tmp_path, mo
     path.write_bytes(b'{"text": "0"}\n{"text": "0"}\n')
     chunks = ingest_lines.chunks
 
-    def deleting(p):
-        for i, chunk in enumerate(chunks(p)):
+    def deleting(p, *bound):
+        for i, chunk in enumerate(chunks(p, *bound)):
             yield chunk
             if i == 0:
                 p.unlink()
@@ -516,3 +516,49 @@ def _fifo_never_blocks():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 5))  # each case writes and reads three bombs
+@given(jsonl_files().filter(lambda f: f.container), st.integers(2, 8), st.lists(TEXT, min_size=1, max_size=6),
+       st.integers(0, 6))
+def test_fuzzed_decompression_bombs(tmp_path_factory, f, mb, texts, at):
+    """Generated bombs of `mb` MB of zeros: a zstd frame or gzip member after a fuzzed JSONL file's lines, a
+    gzip text file, and a Parquet row group at position `at` among groups of good rows. Each is quarantined
+    `decompression_bomb`; every record before it keeps its text, conservation holds."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    for name in ("j", "t", "p"):
+        (folder / name).mkdir()
+    from helpers import bomb
+
+    tail = bomb(folder / f"tail{f.container}", mb << 20).read_bytes()
+    (folder / "j" / f"f.jsonl{f.container}").write_bytes(f.data() + tail)
+    bomb(folder / "t" / "b.txt.gz", mb << 20)
+    (folder / "t" / "a.txt").write_text(texts[0])
+    at = min(at, len(texts))
+    rows = [*texts[:at], "x" * (mb << 20), *texts[at:]]
+    pq.write_table(pa.table({"text": rows}), folder / "p" / "p.parquet", row_group_size=1, compression="zstd")
+    sources = [SourceConfig(name=n, path=str(folder / n / "*"), format=fmt, domain="x", license="cc0",
+                            max_doc_bytes=size) for n, fmt, size in (("j", "jsonl", MAX_DOC), ("p", "parquet", MAX_DOC),
+                                                                     ("t", "text", 64 << 20))]  # not too_large first
+    out = folder / "out"
+    out.mkdir()
+    stats = run_ingest(sources, out)
+    ledger = {r["doc_id"]: r for r in read_ledger(out).to_pylist()}
+    texts_out = {d["id"]: d["text"] for d in iter_docs(out)}
+    expected = f.expected()
+    for n, line in expected.items():
+        row = ledger[f"j/f.jsonl{f.container}#L{n}"]
+        if n == len(f.lines) and not f.final_newline:  # the zeros run on from the last line: the bomb cuts it
+            assert row["reason"] == "decompression_bomb", row
+        elif line.reason is None:
+            assert (row["fate"], texts_out[row["doc_id"]]) == ("kept", line.text)
+        else:
+            assert (row["fate"], row["reason"]) == ("quarantined", line.reason), row
+    assert ledger[f"j/f.jsonl{f.container}#rest"]["reason"] == "decompression_bomb"
+    assert ledger["t/b.txt.gz"]["reason"] == "decompression_bomb"
+    assert ledger[f"p/p.parquet#L{at + 1}"]["reason"] == "decompression_bomb"
+    for n, text in enumerate(rows, start=1):
+        if n != at + 1:
+            assert texts_out[f"p/p.parquet#L{n}"] == text
+    assert stats["documents_in"] == len(ledger) == stats["fates"]["kept"] + stats["fates"]["quarantined"]
+    event(f"bomb after {f.container} {'a newline' if f.final_newline or not f.lines else 'a cut line'}")
