@@ -4,9 +4,11 @@ byte span, its line numbers counted from the file's start."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from moeflow.configs import SourceConfig
@@ -67,6 +69,18 @@ def parsed(stream: Iterator[bytes | Overlong], first: int = 1, fields: tuple[str
 # (1,000 levels less the caller's depth, a few dozen), orjson at 1,024, so a line nested between the two
 # would be read by one and quarantined by the other
 _FAST_BRACKETS = 400
+# a line nested deeper than this is invalid_json, checked by counting (`_depth`), not left to `json`'s recursion
+# limit, which any library in a long-lived worker may raise (with it raised, a 1,000-deep line read as a list)
+MAX_DEPTH = 512
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NESTING = np.zeros(256, np.int8)
+_NESTING[[ord("["), ord("{")]], _NESTING[[ord("]"), ord("}")]] = 1, -1
+
+
+def _depth(line: bytes) -> int:
+    """The deepest nesting of arrays and objects in a line, brackets inside strings left out."""
+    steps = _NESTING[np.frombuffer(_STRINGS.sub(b"", line), np.uint8)].astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def _fast(line: bytes, fields: tuple[str, ...]) -> dict | None:
@@ -102,6 +116,8 @@ def _json_row(line_no: int, line: bytes | Overlong, fields: tuple[str, ...] = ()
                                        "max_doc_bytes + 1 MiB: its text could not fit); not parsed")
     if (row := _fast(line, fields)) is not None:
         return row
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth(line) > MAX_DEPTH:
+        return Quarantine("invalid_json", f"line {line_no}: nested deeper than {MAX_DEPTH} levels")
     try:
         text = line.decode("utf-8")
         return json.loads(text.removeprefix("\ufeff") if line_no == 1 else text)

@@ -412,8 +412,8 @@ def test_a_join_copying_arrow_row_groups_writes_the_bytes_row_writes_do(tmp_path
 
 def test_lines_orjson_would_read_otherwise_are_read_as_json_reads_them(tmp_path):
     """orjson parses the common line, `json` the lines where the two part (`ingest.jsonl._fast`): an integer
-    past 64 bits in the id or text field (orjson: a float), and nesting between `json`'s recursion limit
-    and orjson's 1,024 levels (orjson reads it; `json`, and so ingest, quarantines it)."""
+    past 64 bits in the id or text field (orjson: a float), and nesting past `jsonl.MAX_DEPTH` within orjson's
+    1,024 levels (orjson reads it; ingest quarantines it)."""
     (tmp_path / "in").mkdir()
     big = 18446744073709551616
     deep = '{"id": "deep", "text": "x", "a": ' + "[" * 1010 + "]" * 1010 + "}"
@@ -428,9 +428,34 @@ def test_lines_orjson_would_read_otherwise_are_read_as_json_reads_them(tmp_path)
         (f"user/{big}", "kept", "", ""),
         (f"user/[{big}, {{'n': -{big}}}]", "kept", "", ""),
         ("user/t", "quarantined", "bad_text_field", "field 'text' is a int, not a string"),
-        ("user/a.jsonl#L4", "quarantined", "invalid_json", "line 4: nested deeper than the JSON parser's limit"),
+        ("user/a.jsonl#L4", "quarantined", "invalid_json", "line 4: nested deeper than 512 levels"),
         ("user/7", "kept", "", ""),
     ]
+
+
+@pytest.mark.parametrize("limit", [None, 100_000])
+def test_deep_lines_are_invalid_json_whatever_the_recursion_limit(tmp_path, limit):
+    """Nesting is checked by counting, so a worker whose recursion limit a library raised still quarantines a
+    1,000-deep line (it was once read as a list, `not_an_object`); brackets inside strings do not count, and
+    a line nested 512 deep is read."""
+    import sys
+
+    (tmp_path / "in").mkdir()
+    lines = ["[" * 1000 + "]" * 1000, '{"text": "x", "a": ' + "{\"b\": " * 2000 + "1" + "}" * 2000 + "}",
+             json.dumps({"text": "[" * 2000, "a": [[]] * 600}), '{"text": "y", "a": ' + "[" * 511 + "]" * 511 + "}"]
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit or before)
+    try:
+        run_ingest([_source(tmp_path)], out)
+    finally:
+        sys.setrecursionlimit(before)
+    rows = [(r["doc_id"], r["fate"], r["reason"]) for r in read_ledger(out).to_pylist()]
+    assert rows == [("user/a.jsonl#L1", "quarantined", "invalid_json"),
+                    ("user/a.jsonl#L2", "quarantined", "invalid_json"),
+                    ("user/a.jsonl#L3", "kept", ""), ("user/a.jsonl#L4", "kept", "")]
 
 
 def test_documents_files_keep_no_dictionary_or_statistics_of_the_text(tmp_path):
