@@ -37,6 +37,10 @@ class Phase:
     name: str
     body: Callable[..., dict]
     parts: Callable[[RunConfig, dict], int]  # (config, the stage's input manifests) -> how many
+    # the stage's first phase, of one part, fixing what it reads: its key holds the fetched files' identities and
+    # its artifact lists the files, so the later phases and the join take both from it (their keys hold its
+    # content hash and its key's `fetched`) instead of listing the sources again, each at another moment
+    plans: bool = False
 
 
 @dataclass(frozen=True)

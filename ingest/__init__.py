@@ -19,7 +19,7 @@ from moeflow.ingest.resolve import (
     resolve_sources,
     resolve_sources_list,
 )
-from moeflow.ingest.stage import merge, read, shard
+from moeflow.ingest.stage import merge, plan_part, read, shard
 
 __all__ = [
     "ResolvedSource",
@@ -27,6 +27,7 @@ __all__ = [
     "Unit",
     "assign",
     "merge",
+    "plan_part",
     "preflight",
     "read",
     "resolve_source",

@@ -1,11 +1,12 @@
-"""The `ingest` stage body: each shard reads its units into documents and a ledger (`shard`, `read`), and
-`merge` joins the shards in rank order, resolving ids read twice. `tasks.runner` runs them, as it runs every
-sharded stage."""
+"""The `ingest` stage body: `plan_part` lists the sources' files once and cuts them into units, each shard reads its
+units of that plan into documents and a ledger (`shard`, `read`), and `merge` joins the shards in rank order,
+resolving ids read twice. `tasks.runner` runs them, as it runs every sharded stage."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import xxhash
@@ -36,11 +37,31 @@ def _source_stats(rs: ResolvedSource) -> dict:
             "skipped_paths": len(rs.skipped), "skipped": list(rs.skipped[:20]), "changed": []}
 
 
+PLAN = "plan.json"
+
+
+def plan_part(sources: tuple[SourceConfig, ...], inputs: dict, prior: dict, out: Path, part: tuple[int, int]
+              ) -> dict:
+    """The `ingest` stage's plan, made once a run: every source's files as listed now and their units, in
+    `plan.json`; the shards read this, so no two parts list the sources at different moments (a file deleted
+    while one shard read it once failed the next, which listed the source again)."""
+    resolved = resolve_sources_list(sources)
+    listing = [{"name": rs.config.name, "root": str(rs.root), "files": [str(f) for f in rs.files],
+                "version": rs.version, "skipped": list(rs.skipped)} for rs in resolved]
+    cut = [asdict(u) for u in units(resolved)]
+    (out / PLAN).write_text(json.dumps({"sources": listing, "units": cut}))
+    return {"sources": len(resolved), "files": sum(len(rs.files) for rs in resolved), "units": len(cut)}
+
+
 def shard(sources: tuple[SourceConfig, ...], inputs: dict, prior: dict, out: Path,
           part: tuple[int, int]) -> dict:
-    """One shard of the `ingest` stage: its units (`assign`) of every configured source."""
-    resolved = resolve_sources_list(sources)
-    return read(resolved, assign(units(resolved), part), out)
+    """One shard of the `ingest` stage: its units (`assign`) of the plan."""
+    planned = json.loads((prior["plan"][0] / PLAN).read_text())
+    by_name = {s.name: s for s in sources}
+    resolved = [ResolvedSource(config=by_name[s["name"]], root=Path(s["root"]), files=tuple(map(Path, s["files"])),
+                               version=s["version"], skipped=tuple(s["skipped"])) for s in planned["sources"]]
+    cut = [Unit(**{k: tuple(v) if isinstance(v, list) else v for k, v in u.items()}) for u in planned["units"]]
+    return read(resolved, assign(cut, part), out)
 
 
 def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:

@@ -1,5 +1,5 @@
 """The stages this package declares: `sources` (the registry packages and local files a run reads, fetched and
-identified) and `ingest` (the sources cut into pieces read as record shards, then joined)."""
+identified) and `ingest` (the sources listed once and cut into pieces, read as record shards, then joined)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ INGEST = Stage(
     None,
     ("pyarrow", "zstandard", "orjson", "datasets"),  # datasets: hf_dataset and hf_files sources
     fetched=lambda s: sources_stage.identities([x.package for x in s if x.package], s),
-    phases=(Phase("shard", ingest.shard, record_shards),),
+    phases=(Phase("plan", ingest.plan_part, lambda c, inputs: 1, plans=True),
+            Phase("shard", ingest.shard, record_shards)),
     merge=ingest.merge,
     section="sources",
 )

@@ -53,8 +53,10 @@ def key_parts(
     part: Part | None = None,
     prior: dict[str, list[str]] | None = None,
     fanout: dict[str, int] | None = None,
+    fetched: dict | None = None,
 ) -> dict:
-    """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes.
+    """The five parts of a stage's key (`lineage.keys`); `inputs` are the inputs' content hashes, `fetched` the
+    identities a planning phase recorded (None: the stage's own `fetched`, listed now).
 
     A part of a sharded stage adds its place, every phase's part count (`fanout`) and the content hashes
     of the earlier phases' parts it reads."""
@@ -64,7 +66,7 @@ def key_parts(
         "config": keys.keyed(slice_),
         "code": code.closure(stage.module),
         "libraries": code.libraries(libraries),
-        "fetched": stage.fetched(slice_) if stage.fetched else {},
+        "fetched": fetched if fetched is not None else stage.fetched(slice_) if stage.fetched else {},
         "inputs": dict(sorted(inputs.items())),
     }
     if part is not None:
@@ -89,7 +91,16 @@ def artifact_key(stage: Stage, cfg: RunConfig, inputs: Inputs, part: Part | None
 
 def _key_record(stage: Stage, cfg: RunConfig, inputs: Inputs, part: Part | None, prior: Prior | None) -> dict:
     fanout = stage.fanout(cfg, inputs) if part is not None else None
-    return key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior), fanout)
+    return key_parts(stage, cfg, {k: v.content_hash for k, v in inputs.items()}, part, _hashes(prior), fanout,
+                     fetched=_planned(stage, prior))
+
+
+def _planned(stage: Stage, prior: Prior | None) -> dict | None:
+    """The fetched identities the stage's planning phase recorded (`Phase.plans`), once it has run."""
+    first = stage.phases[0] if stage.phases else None
+    if first is None or not first.plans or not (prior or {}).get(first.name):
+        return None
+    return prior[first.name][0].lineage()["key"]["fetched"]
 
 
 def materialize(

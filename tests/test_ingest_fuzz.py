@@ -17,14 +17,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from hypothesis import HealthCheck, assume, event, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import run_ingest
 from moeflow.configs import SourceConfig
 from moeflow.core.documents import iter_docs
 from moeflow.core.ledger import read as read_ledger
-from moeflow.ingest import SourceError
 from moeflow.ingest import lines as ingest_lines
 
 EXAMPLES = int(os.environ.get("MOEFLOW_FUZZ_EXAMPLES", "25"))
@@ -368,9 +367,6 @@ def test_fuzzed_files_changing_while_read(tmp_path_factory, texts, how, shards):
     """A file truncated, grown, deleted or replaced after its first few bytes were read: the stage finishes,
     what it keeps is good records of one version or the other, every record is accounted for, and the
     file is named as changed (or its loss as unreadable)."""
-    # the known bug `test_regression_a_file_deleted_while_read_with_a_shard_after_it` pins (strict xfail):
-    # left out here until it is fixed, so the property goes on checking every other case
-    assume(not (how == "delete" and shards > 1))
     folder = tmp_path_factory.mktemp("fuzz")
     (folder / "in").mkdir()
     path = folder / "in" / "a.jsonl"
@@ -416,12 +412,11 @@ def _change(path: Path, how: str, later: list[str]) -> None:
         tmp.rename(path)
 
 
-@pytest.mark.xfail(raises=SourceError, strict=True, reason="each part of ingest resolves the sources again")
 def test_regression_a_file_deleted_while_read_with_a_shard_after_it(tmp_path, monkeypatch):
     """`test_fuzzed_files_changing_while_read`'s case (found with a longer budget): a source's only file
-    deleted while shard 1 of 3 reads it must leave the stage finishing. Each part of the stage resolves its
-    sources again (its key's `fetched` part and the `shard` body), so shard 2 finds the source matching no
-    files and fails the run."""
+    deleted while shard 1 of 3 reads it must leave the stage finishing. Each part of the stage once resolved
+    its sources again (its key's `fetched` part and the `shard` body), so shard 2 found the source matching no
+    files and failed the run; the parts now read the plan the `plan` phase made once."""
     (tmp_path / "in").mkdir()
     path = tmp_path / "in" / "a.jsonl"
     path.write_bytes(b'{"text": "0"}\n{"text": "0"}\n')
