@@ -124,8 +124,8 @@ def _positive(p: dict, fetched: dict, graph: dict[str, dict]) -> list[str]:
     if not p.get("package"):
         files = fetched.get(f"local:{p['name']}") or []
         size = sum(f.get("size") or 0 for f in files)
-        return [f"`{p['name']}`", f"`{p['path']}`", f"{len(files)} files, {size:,} bytes (paths, sizes and mtimes "
-                "in the key)", "read from this machine by `quality_model`"]
+        return [f"`{p['name']}`", f"`{p['path']}`", f"{len(files)} files, {size:,} bytes (each file's path, size "
+                "and xxh3 in the key)", "read from this machine by `quality_model`"]
     ident = fetched.get(f"package:{p['package']}") or {}
     by = [artifact_name(r["artifact"]) for r in graph.values()
           if r["stage"] == "sources" and p["package"] in r["stats"].get("packages", {})]

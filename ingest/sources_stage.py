@@ -2,8 +2,9 @@
 its local sources' files as ingest will read them. It lives in ingest because listing a local source is
 ingest's (`resolve_source`), and sources sit below ingest.
 
-A local source's files are identified by path, size and modification time, so a changed file rebuilds the
-stages that read it.
+A local source's files are identified by path, size and the xxh3 of their bytes, so a changed file rebuilds
+the stages that read it, even one rewritten in place with its size kept and its mtime set back. The hashes are
+kept in the data cache by each file's stat (`sources.hashes`): an unchanged file is not read again.
 """
 
 from __future__ import annotations
@@ -14,29 +15,23 @@ from pathlib import Path
 from moeflow.configs import Format, RunConfig, SourceConfig
 from moeflow.ingest import hf
 from moeflow.ingest.resolve import resolve_source
+from moeflow.sources import hashes
 from moeflow.sources.stage import fetch_packages, packages_for
 from moeflow.sources.stage import identities as package_identities
 
 
 def local_files(sources: tuple[SourceConfig, ...]) -> dict[str, list[dict]]:
-    """Each local (not package) source's files with size and mtime."""
+    """Each local (not package) source's files with size and xxh3."""
     out = {}
     for src in sources:
         if not src.package:
             files = resolve_source(src).files
-            out[src.name] = [{"path": str(f), **_stat(f)} for f in files]
+            table = str(Path(src.path).expanduser().absolute())  # the source's pattern names its hash table
+            out[src.name] = [{"path": str(f), **ident}
+                             for f, ident in zip(files, hashes.identities(files, table), strict=True)]
             if src.format == Format.hf_dataset:  # the split's fingerprint, as `datasets` recorded it
                 out[src.name].append({"fingerprint": hf.fingerprint(list(files))})
     return out
-
-
-def _stat(path: Path) -> dict:
-    """Size and mtime; None for a file gone since it was listed (ingest quarantines it, naming why)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return {"size": None, "mtime_ns": None}
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def identities(packages: list[str] | tuple[str, ...], sources: tuple[SourceConfig, ...] = (),

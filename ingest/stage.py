@@ -16,6 +16,7 @@ from moeflow.core import faults, progress
 from moeflow.core import ledger as ledgers
 from moeflow.core.documents import DocWriter, iter_docs, join
 from moeflow.core.ledger import Ledger
+from moeflow.core.paths import stat_identity
 from moeflow.core.progress import tqdm
 from moeflow.ingest.names import portable, relative_name
 from moeflow.ingest.plan import Unit, assign, units
@@ -102,13 +103,12 @@ def read(sources: list[ResolvedSource], mine: list[Unit], out: Path) -> dict:
     return {**ledger.check(n_in, n_out, unique=False), "sources": per_source}
 
 
-def _signatures(rs: ResolvedSource, unit: Unit) -> list[tuple[int, int] | None]:
-    """Size and mtime of each file of a unit (None: gone)."""
+def _signatures(rs: ResolvedSource, unit: Unit) -> list[tuple[int, ...] | None]:
+    """The `stat_identity` of each file of a unit (None: gone)."""
     out = []
     for path in rs.files[unit.files[0] : unit.files[1]]:
         try:
-            st = path.stat()
-            out.append((st.st_size, st.st_mtime_ns))
+            out.append(stat_identity(path.stat()))
         except OSError:
             out.append(None)
     return out

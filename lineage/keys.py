@@ -3,8 +3,9 @@
 A key has five parts, each recorded in the artifact's lineage so a later run can say what changed:
 `config` (the config slice the body receives, operational fields left out), `code` (normalised hashes
 of the moeflow modules the body reaches), `libraries` (versions of the distributions that shape the
-output), `fetched` (identities of the files read from outside the store: registry packages by version
-and sha256, local files by size and mtime) and `inputs` (the content hashes of the input artifacts).
+output), `fetched` (identities of the files read from outside the store: registry packages by version,
+sha256 and the digest of their extracted tree, local files by path, size and the xxh3 of their bytes) and
+`inputs` (the content hashes of the input artifacts).
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def _short(value: Any, width: int = 60) -> str:
 _MISSING = object()
 
 
+def _by_path(fetched: dict | None) -> dict:
+    """Fetched identities with each local source's files keyed by path, so a changed file is named (and an
+    added one shifts no other) rather than numbered."""
+    out = {}
+    for name, ident in (fetched or {}).items():
+        if isinstance(ident, list):  # a local source's files; a dataset's fingerprint keeps its place
+            ident = {f.get("path", str(i)): {k: v for k, v in f.items() if k != "path"} for i, f in enumerate(ident)}
+        out[name] = ident
+    return out
+
+
 def explain(old: dict, new: dict, section: str = "") -> list[str]:
     """Why key parts `new` differ from `old`: one line per config field, module, library, fetched file
     or input that changed; a config field by its path under `section` when the slice is one."""
@@ -98,7 +110,7 @@ def explain(old: dict, new: dict, section: str = "") -> list[str]:
     under = f"{section}." if section else ""
     lines += [f"config {under}{k}: {_short(a.get(k, _MISSING))} -> {_short(b.get(k, _MISSING))}"
               for k in sorted(set(a) | set(b)) if a.get(k, _MISSING) != b.get(k, _MISSING)]
-    x, y = _flat(old.get("fetched") or {}), _flat(new.get("fetched") or {})
+    x, y = _flat(_by_path(old.get("fetched"))), _flat(_by_path(new.get("fetched")))
     lines += [f"fetched {k}: {_short(x.get(k, _MISSING))} -> {_short(y.get(k, _MISSING))}"
               for k in sorted(set(x) | set(y)) if x.get(k, _MISSING) != y.get(k, _MISSING)]
     for part, what in (("code", "code of module"), ("libraries", "library"), ("inputs", "input")):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import zipfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -80,7 +81,7 @@ def tree_identity(name: str) -> str | None:
     if "tree" not in receipt:
         receipt["tree"] = integrity.record(root)
         _write_receipt(package_dir(name), receipt)
-    if not integrity.matches(root, receipt["tree"]):
+    if not _tree_intact(package_dir(name), receipt):
         raise FetchError(
             f"package {name}: the files under {root} differ from those fetched (its receipt records tree "
             f"{receipt['tree']['xxh3']}); something changed them after the fetch. Run `moeflow fetch "
@@ -153,9 +154,21 @@ def fetch(name: str, *, verify: bool = True) -> dict:
 
 
 def _write_receipt(root: Path, receipt: dict) -> None:
-    tmp_receipt = root / "receipt.json.tmp"
+    """Replace the receipt at once; each writer has a scratch file of its own, as keying may write it in
+    several processes."""
+    tmp_receipt = root / f"receipt.json.{os.getpid()}.{threading.get_ident()}.tmp"
     tmp_receipt.write_text(json.dumps(receipt, indent=2))
     os.replace(tmp_receipt, root / "receipt.json")
+
+
+def _tree_intact(root: Path, receipt: dict) -> bool:
+    """Whether the tree under `root` is the one the receipt records; one that differs in stat alone (copied,
+    touched) has its receipt take the new stat signature, so the next check hashes no bytes."""
+    now = integrity.check(root / "tree", receipt["tree"])
+    if now is not None and now != receipt["tree"]:
+        receipt["tree"] = now
+        _write_receipt(root, receipt)
+    return now is not None
 
 
 def _present(name: str, root: Path, receipt: dict, verify: bool) -> bool:
@@ -169,7 +182,7 @@ def _present(name: str, root: Path, receipt: dict, verify: bool) -> bool:
         and arc.exists()
         and (root / "tree").exists()
         and (not verify or sha256_file(arc) == receipt["sha256"])
-        and ("tree" not in receipt or integrity.matches(root / "tree", receipt["tree"]))
+        and ("tree" not in receipt or _tree_intact(root, receipt))
     ):
         return True
     log.warning(

@@ -2,8 +2,10 @@
 
 The archive's sha256 is checked at fetch; the files stages read are the extracted tree, which a user or a
 tool can change afterwards. The receipt records the tree's digest (xxh3 over each file's path, size and
-bytes) and a cheap stat signature (path, size, mtime); a check reads the stat signature and hashes the
-bytes again only when that differs (a file touched but unchanged passes).
+bytes) and a cheap stat signature (each file's path, device, inode, size, mtime and ctime: an in-place
+rewrite that keeps the size and sets the mtime back still changes the ctime); a check reads the stat
+signature and hashes the bytes again only when that differs (a file touched or copied but unchanged passes,
+and the receipt takes the new signature).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 from pathlib import Path
 
 import xxhash
+
+from moeflow.core.paths import stat_identity
 
 CHUNK = 1 << 20
 
@@ -32,7 +36,7 @@ def _entries(root: Path) -> list[tuple[str, os.stat_result]]:
 def stat_signature(root: Path) -> str:
     h = xxhash.xxh3_64()
     for rel, st in _entries(root):
-        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{rel}\0{stat_identity(st)}\n".encode())
     return h.hexdigest()
 
 
@@ -51,6 +55,10 @@ def record(root: Path) -> dict:
     return {"xxh3": content_digest(root), "stat": stat_signature(root)}
 
 
-def matches(root: Path, recorded: dict) -> bool:
-    """Whether the tree under `root` is the one `recorded`: its stat signature, or failing that its bytes."""
-    return stat_signature(root) == recorded["stat"] or content_digest(root) == recorded["xxh3"]
+def check(root: Path, recorded: dict) -> dict | None:
+    """`recorded` if the tree under `root` is the one it records (its stat signature, or failing that its
+    bytes), with the stat signature of now when only that differed; None if the bytes differ."""
+    stat = stat_signature(root)
+    if stat == recorded["stat"]:
+        return recorded
+    return {**recorded, "stat": stat} if content_digest(root) == recorded["xxh3"] else None

@@ -10,6 +10,8 @@ from typing import Any
 
 import xxhash
 
+from moeflow.core.paths import stat_identity
+
 MANIFEST = "manifest.json"
 LINEAGE = "lineage.json"
 RUN_LOCK = ".runs.lock"  # held shared by every run, exclusively by `moeflow gc`
@@ -35,12 +37,11 @@ def file_xxh3(path: Path) -> str:
         return hashlib.file_digest(f, xxhash.xxh3_64).hexdigest()
 
 
-_SEEN: dict[tuple, str] = {}  # (path, inode, size, mtime) -> the xxh3 this process read
+_SEEN: dict[tuple, str] = {}  # (path, `stat_identity`) -> the xxh3 this process read
 
 
 def _checksum(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (str(path), *stat_identity(path.stat()))
     if key not in _SEEN:
         _SEEN[key] = file_xxh3(path)
     return _SEEN[key]

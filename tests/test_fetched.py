@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from moeflow import configs
-from moeflow.sources import fetch
+from moeflow.sources import fetch, integrity
 from moeflow.tasks.registry import STAGES
 from moeflow.tasks.runner import key_parts
 
@@ -60,6 +60,21 @@ def test_files_changed_after_the_fetch_fail_the_key_naming_the_package_and_the_f
     st = victim.stat()
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert fetch.tree_identity(PACKAGE) == receipt["tree"]["xxh3"]
+
+
+def test_a_tree_file_rewritten_in_place_with_its_size_and_mtime_kept_fails_the_key(cache, monkeypatch):
+    """Issue 63: the stat signature was path, size and mtime, so such a rewrite passed the check unread."""
+    victim = next(p for p in sorted((cache / "packages" / PACKAGE / "tree").rglob("*")) if p.is_file())
+    recorded = fetch.tree_identity(PACKAGE)  # the copy's other inodes: its bytes are read, its receipt renewed
+    hashed = []
+    with monkeypatch.context() as m:
+        m.setattr(integrity, "content_digest", lambda root: hashed.append(root) or "read")
+        assert fetch.tree_identity(PACKAGE) == recorded and hashed == []  # the renewed signature: no bytes read
+    st, data = victim.stat(), victim.read_bytes()
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(fetch.FetchError, match=rf"package {PACKAGE}: the files under .* --package {PACKAGE}"):
+        fetch.tree_identity(PACKAGE)
 
 
 @pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"[]", lambda b: b"\xff\xfe"])

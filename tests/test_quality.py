@@ -275,8 +275,8 @@ def test_only_keep_changed_reuses_the_model_and_why_names_what_changed(tmp_path,
     assert "config synthetic_negatives.per_document: 1.0 -> 2.0" in keys.explain(parts("quality_model", base),
                                                                               parts("quality_model", twice))
     before = parts("quality_model", base)
-    (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and mtime
-    assert any(r.startswith("fetched local:reference.0.size:") for r in
+    (tmp_path / "pos" / "pos000.txt").write_text("edited")  # a positive's file: its size and xxh3
+    assert any(r.startswith(f"fetched local:reference.{tmp_path / 'pos' / 'pos000.txt'}.xxh3:") for r in
                keys.explain(before, parts("quality_model", base)))
     model = tmp_path / "given.bin"
     built = _run(tmp_path, base)["model"]
@@ -409,7 +409,7 @@ def test_lineage_report_tables_the_classifiers_heldout_metrics_and_where_its_pos
     files = sorted((tmp_path / "pos").glob("*.txt"))
     assert said["positives"].splitlines()[2] == (
         f"| `reference` | `{tmp_path / 'pos' / '*.txt'}` | {len(files)} files, {sum(f.stat().st_size for f in files):,}"
-        " bytes (paths, sizes and mtimes in the key) | read from this machine by `quality_model` |")
+        " bytes (each file's path, size and xxh3 in the key) | read from this machine by `quality_model` |")
     given = tmp_path / "given.bin"
     given.write_bytes((built.dir / "model.bin").read_bytes())
     mine = _run(tmp_path, QualityConfig(model=str(given)))["model"]

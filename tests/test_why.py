@@ -8,13 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import xxhash
 
-from helpers import write_config
+from helpers import stage_config, write_config
 from moeflow import configs
+from moeflow.core.documents import iter_docs
 from moeflow.flows import why
+from moeflow.ingest import sources_stage
 from moeflow.lineage import code, keys
+from moeflow.sources import hashes
 from moeflow.tasks.registry import STAGES
-from moeflow.tasks.runner import key_parts
+from moeflow.tasks.runner import key_parts, materialize
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_OF_DEDUP = ("sources", "ingest", "filter")
@@ -301,6 +305,60 @@ def test_explain_lists_each_kind_of_change():
         'library torch: "1" -> "2"',
         "input docs is rebuilt first (this stage is reused if its content is unchanged)",
     ]
+
+
+def test_a_local_file_rewritten_in_place_with_its_size_and_mtime_kept_rebuilds_what_reads_it(tmp_path):
+    """Issue 63: in a shared store, a rewrite the stat cannot see (same size, mtime set back) was read as the
+    old file, its artifact reused."""
+    path = tmp_path / "in" / "a.txt"
+    path.parent.mkdir()
+    path.write_text("the first text")
+    src = configs.SourceConfig(name="t", path=str(path), format="text", domain="x", license="cc0")
+    cfg = stage_config(tmp_path / "store", sources=(src,))
+    before = {s: key_parts(STAGES[s], cfg, {}) for s in ("sources", "ingest")}
+    first = materialize("ingest", cfg, {})
+    st = path.stat()
+    path.write_text("the other text")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    old, new = (xxhash.xxh3_64_hexdigest(t) for t in (b"the first text", b"the other text"))
+    for stage, parts in before.items():
+        assert keys.explain(parts, key_parts(STAGES[stage], cfg, {})) == [
+            f'fetched local:t.{path}.xxh3: "{old}" -> "{new}"'], stage
+    second = materialize("ingest", cfg, {})
+    assert second.hash != first.hash
+    assert [d["text"] for d in iter_docs(second.dir)] == ["the other text"]
+
+
+def test_a_local_files_hash_is_kept_by_its_stat_and_taken_again_when_its_ctime_moves(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFLOW_CACHE", str(tmp_path / "cache"))
+    read, real = [], hashes.file_xxh3
+    monkeypatch.setattr(hashes, "file_xxh3", lambda p: read.append(p.name) or real(p))
+    (tmp_path / "in").mkdir()
+    for name in "abc":
+        (tmp_path / "in" / f"{name}.txt").write_text(f"text {name}")
+    src = configs.SourceConfig(name="t", path=str(tmp_path / "in" / "*.txt"), format="text", domain="x",
+                               license="cc0")
+
+    def keyed() -> list[str]:
+        read.clear()
+        assert sources_stage.local_files((src,)) == first
+        return sorted(read)
+
+    first = sources_stage.local_files((src,))
+    assert keyed() == ["a.txt", "b.txt", "c.txt"]  # changed under SETTLED_NS ago: its stat may not show the next
+    monkeypatch.setattr(hashes, "SETTLED_NS", 0)
+    assert keyed() == ["a.txt", "b.txt", "c.txt"]
+    assert keyed() == []
+    victim = tmp_path / "in" / "b.txt"
+    ctime = victim.stat().st_ctime_ns
+    while victim.stat().st_ctime_ns == ctime:  # the same mode again: only the ctime moves, once the tick turns
+        victim.chmod(victim.stat().st_mode)
+    assert keyed() == ["b.txt"]
+    for table in (tmp_path / "cache" / "hashes").glob("*.json"):
+        table.write_bytes(b"\xff[")
+    assert keyed() == ["a.txt", "b.txt", "c.txt"]  # an unreadable table is rebuilt
+    assert keyed() == []
 
 
 def test_a_library_version_change_rebuilds_the_stages_it_shapes(smoke_run, monkeypatch):
