@@ -64,15 +64,11 @@ def test_down_leaves_alone_a_process_that_reused_a_kept_id(tmp_path, capsys):
 def test_a_pool_worker_killed_names_its_part_and_the_setting(prefect_server, smoke_data, tmp_path):
     """A shard task's pool process SIGKILLed (what the kernel's OOM killer does): the run fails saying which
     parts lost their process, that memory likely ran out, and which settings lower it."""
-    from moeflow.flows.pretrain import pretrain
-
-    path = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
-                        execution={"shards": 2, "workers": 2})
     killed: list[int] = []
 
     def kill_a_pool_worker() -> None:
-        """Once the pool has both its processes, a second on (spawned, still importing: no part done yet; the
-        pool broken while it still spawned fails inside Python's executor, not as a dead process), one goes."""
+        """Once the pool has both its processes, a second on (spawned, still importing: no part done yet), one
+        goes."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if len(pool := [p for p in descendants(os.getpid()) if b"spawn_main" in _cmdline(p)]) == 2:
@@ -84,10 +80,45 @@ def test_a_pool_worker_killed_names_its_part_and_the_setting(prefect_server, smo
 
     killer = threading.Thread(target=kill_a_pool_worker, daemon=True)
     killer.start()
-    with pytest.raises(PoolProcessDied) as failed:
-        pretrain(config=str(path), until="filter")
+    _lose_both_ingest_parts(tmp_path)
     killer.join()
     assert killed
+
+
+def test_a_pool_worker_killed_while_the_pool_starts_names_its_part(prefect_server, smoke_data, tmp_path,
+                                                                   monkeypatch):
+    """The first pool process SIGKILLed while the pool still spawns the second (the OOM killer can pick it
+    there): the part being submitted fails in the executor, which closed its queues under it
+    (OSError('handle is closed')), and the run says what died as above."""
+    from concurrent.futures.process import ProcessPoolExecutor
+
+    spawn, killed = ProcessPoolExecutor._spawn_process, []
+
+    def kill_the_first_then_spawn(pool: ProcessPoolExecutor) -> None:
+        if pool._processes and not killed:
+            (first,) = pool._processes.values()
+            os.kill(first.pid, signal.SIGKILL)
+            killed.append(first.pid)
+            deadline = time.monotonic() + 30
+            while not pool._call_queue._reader.closed:  # the pool has seen it die: broken, its queues closing
+                assert time.monotonic() < deadline, "the pool never saw its process die"
+                time.sleep(0.01)
+        spawn(pool)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", kill_the_first_then_spawn)
+    _lose_both_ingest_parts(tmp_path)
+    assert killed
+
+
+def _lose_both_ingest_parts(tmp_path: Path) -> None:
+    """Run smoke to filter with two ingest parts on two pool processes, a test killing one before any part is
+    done: the run fails naming both parts, that memory likely ran out, and which settings lower it."""
+    from moeflow.flows.pretrain import pretrain
+
+    path = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
+                        execution={"shards": 2, "workers": 2})
+    with pytest.raises(PoolProcessDied) as failed:
+        pretrain(config=str(path), until="filter")
     message = str(failed.value)
     assert message.startswith("ingest[0/2], ingest[1/2]: a process of the shard pool was killed")  # none done yet
     assert "OOM killer: memory ran out" in message and "`execution.shards`" in message
