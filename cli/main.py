@@ -27,6 +27,10 @@ STAGE_HELP = (
     "sources, ingest, filter, dedup, quality_model, quality, benchmarks, decontaminate, overlap, tokenizer, "
     "tokenize, proxy_mix, proxy, mix_search, mix, rung_mix, rung, ladder, train, evaluate, export, card"
 )
+INTERRUPTS = (
+    "Ctrl-C or SIGTERM cancels the flow run, stops what the command started and exits with status 130 "
+    "(Ctrl-C) or 143 (SIGTERM); a second Ctrl-C or SIGTERM kills it all at once."
+)
 
 
 def _run(args) -> int:
@@ -58,14 +62,15 @@ def _run(args) -> int:
         runs.append(str(run.id))
 
     flow = pretrain.with_options(on_running=[flow_run_id])
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it (a background job)
+    _interruptible()
     interrupted = None
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url} if server else {}):
             try:
                 summary = flow(config=args.config, until=args.until, rerun=args.rerun or None)
-            except KeyboardInterrupt:
-                interrupted = _interrupted("run", lambda: _cancel_here(runs, server), _kill_children)
+            except KeyboardInterrupt as e:
+                by = _by(e)
+                interrupted = _interrupted("run", e, lambda: _cancel_here(runs, server, by), _kill_children)
     finally:
         if server:
             from prefect.logging.handlers import APILogWorker
@@ -94,15 +99,15 @@ def _kill_children() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _cancel_here(runs: list[str], server: LocalStack | None) -> str:
+def _cancel_here(runs: list[str], server: LocalStack | None, by: str) -> str:
     """Mark the interrupted in-process flow run Cancelled as Prefect's engine does when it cancels a run it
-    owns (Cancelling, then Cancelled): it stopped already, Crashed by the interrupt."""
+    owns (Cancelling, then Cancelled): it stopped already, Crashed by the interrupt (`by`: Ctrl-C, SIGTERM)."""
     from prefect import get_client
     from prefect.states import Cancelled, Cancelling
 
     if not runs:
         return "no flow run had started"
-    message = "Cancelled by Ctrl-C (moeflow run)"
+    message = f"Cancelled by {by} (moeflow run)"
     with get_client(sync_client=True) as client:
         for state in (Cancelling(message=message), Cancelled(message=message)):
             client.set_flow_run_state(runs[0], state, force=True)
@@ -110,19 +115,41 @@ def _cancel_here(runs: list[str], server: LocalStack | None) -> str:
     return f"flow run {runs[0]} cancelled{where}"
 
 
-def _interrupted(command: str, graceful, force) -> int:
-    """After a Ctrl-C: `graceful()` (cancel the flow run, stop what the command started) says what it did;
-    a second Ctrl-C runs `force()` instead. Exit status 130, as a shell gives a command Ctrl-C ended."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where Ctrl-C raises KeyboardInterrupt: `run` and `up` stop the same
+    way for both."""
+
+
+def _terminated(_signum, _frame) -> None:
+    raise Terminated
+
+
+def _interruptible() -> None:
+    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated, even where the command
+    started ignoring them (a background job ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _by(interrupt: KeyboardInterrupt) -> str:
+    return "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
+
+
+def _interrupted(command: str, interrupt: KeyboardInterrupt, graceful, force) -> int:
+    """After a Ctrl-C or SIGTERM: `graceful()` (cancel the flow run, stop what the command started) says what
+    it did; a second Ctrl-C or SIGTERM runs `force()` instead. The exit status is a shell's for a command the
+    first signal ended: 128 + its number, 130 for Ctrl-C (SIGINT), 143 for SIGTERM."""
+    status = 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
     print(f"moeflow {command}: interrupted; cancelling the flow run and stopping what this command started "
-          "(Ctrl-C again to kill it all at once)", file=sys.stderr, flush=True)
+          f"({_by(interrupt)}; Ctrl-C or SIGTERM again kills it all at once)", file=sys.stderr, flush=True)
     try:
         print(f"moeflow {command}: interrupted: {graceful()}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         force()
         print(f"moeflow {command}: interrupted twice: killed what it had started; the flow run may still "
               "show Running in the UI", file=sys.stderr, flush=True)
-        os._exit(130)  # nothing left to wait for (an executor's threads would be joined at exit)
-    return 130
+        os._exit(status)  # nothing left to wait for (an executor's threads would be joined at exit)
+    return status
 
 
 def _print_summary(stages: dict[str, dict]) -> None:
@@ -191,20 +218,20 @@ def _up(args) -> int:
     _stop_kept(home)  # a stack an earlier `up --keep` left in this home
     stack = LocalStack(home, ui=True)
     runs: list[str] = []
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started ignoring it (a background job)
+    _interruptible()
     try:
         rc, run_id = _up_run(stack, args.preset, runs)
     except StackError as e:
         stack.stop()
         print(f"moeflow up: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         def graceful() -> str:
             ran = f"flow run {runs[0]} {stack.cancel(runs[0]).lower()}" if runs else "no flow run had started"
             stack.stop()
             return f"{ran}; server and worker stopped"
 
-        return _interrupted("up", graceful, lambda: stack.stop(force=True))
+        return _interrupted("up", e, graceful, lambda: stack.stop(force=True))
     if args.keep:
         stack.keep()
         print(f"server and worker left running: the UI at {stack.ui_url}; stop them with `moeflow down`")
@@ -439,7 +466,7 @@ def _run_commands(sub) -> None:
         "run",
         help="run the pipeline flow in this process (cached per stage)",
         description="Run the pretrain flow for CONFIG (a preset name: tiny, smoke; or a YAML path). "
-        "Stages whose inputs and config did not change are reused from the artifact store.",
+        "Stages whose inputs and config did not change are reused from the artifact store. " + INTERRUPTS,
     )
     r.add_argument("config", metavar="CONFIG")
     r.add_argument("--until", metavar="STAGE", help=f"stop after this stage ({STAGE_HELP})")
@@ -485,7 +512,7 @@ def _stack_commands(sub) -> None:
         help="start a local Prefect server (UI on 127.0.0.1) and worker, run pretrain/PRESET, stop",
         description="Start a Prefect server on 127.0.0.1 (its UI on) and a process worker, deploy "
         "prefect.yaml, run `prefect deployment run pretrain/PRESET --watch`, printing the flow run's UI "
-        "URL as soon as it exists, then stop both (unless --keep) and print the card path.",
+        "URL as soon as it exists, then stop both (unless --keep) and print the card path. " + INTERRUPTS,
     )
     u.add_argument("preset", nargs="?", default="tiny", metavar="PRESET")
     u.add_argument(

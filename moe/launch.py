@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from collections import deque
 from pathlib import Path
 
@@ -212,23 +212,51 @@ def torchrun(
 
 
 def _stream(cmd: list[str], cfg: TrainConfig, shared: SharedFolder | None, work: Path) -> tuple[int, deque[str]]:
-    """Run torchrun, echoing its output (its last lines kept); on an object store, share a newer checkpoint
-    every `SHARE_EVERY_S` (a node 0 lost now is replaced from the store's)."""
+    """Run torchrun in a process group of its own, its output echoed by a thread of its own (the last lines
+    kept). This thread waits for it and, on an object store, shares a newer checkpoint every `SHARE_EVERY_S` (a
+    node 0 lost now is replaced from the store's) without pausing the output; whatever ends the wait early
+    (LeaseLost raised in this thread by the lease's heartbeat, Ctrl-C, a failed upload) stops torchrun's group
+    first."""
     cores = os.cpu_count() or 1
     env = {**os.environ, **progress.child_env(),  # rank 0 updates this task run's progress and table
            "OMP_NUM_THREADS": str(max(1, cores // cfg.distributed.nproc_per_node))}
     tail: deque[str] = deque(maxlen=60)
-    shared_at = time.monotonic()
     with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, process_group=0,
+        preexec_fn=_die_with_parent,
     ) as proc:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            tail.append(line)
-            if shared is not None and time.monotonic() - shared_at > SHARE_EVERY_S:
-                share_checkpoint(shared, work)
-                shared_at = time.monotonic()
+        echo = threading.Thread(target=_echo, args=(proc.stdout, tail), daemon=True, name="torchrun output")
+        echo.start()
+        try:
+            while True:
+                try:  # a wait with a timeout polls, so an exception raised in this thread is seen at once
+                    proc.wait(timeout=SHARE_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if shared is not None:
+                        share_checkpoint(shared, work)
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            echo.join()
     return proc.returncode, tail
+
+
+def _echo(out, tail: deque[str]) -> None:
+    for line in out:
+        sys.stderr.write(line)
+        tail.append(line)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM torchrun's process group (torchrun stops its ranks), then SIGKILL what is left of it once torchrun
+    has exited or after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
 
 
 def _this_node(spec: dict) -> tuple[Path, Path]:

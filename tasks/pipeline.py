@@ -131,24 +131,30 @@ class Pipeline:
 
     def _record_parts(self, parts: list[tuple[str, object]]) -> list[Manifest]:
         """A phase's parts, recorded; a pool process that died under some (the kernel's OOM killer SIGKILLs
-        one when memory runs out, and the pool then fails every part it had not finished) is said plainly."""
+        one when memory runs out, and the pool then fails every part it had not finished) is said plainly. One
+        that died while the pool still started its processes fails the part being submitted with an OSError (the
+        broken pool closed the queue the new process was to be given) beside the others' BrokenProcessPool: that
+        OSError counts as the same death."""
         done, lost = [], []
         for label, state in parts:  # a future on the runner, or a final state
             try:
                 if isinstance(state, PrefectFuture):
                     state.wait()
                     state = state.state
-                done.append(self._record(label, state))
-            except BrokenProcessPool:
-                lost.append(label)
+            except (BrokenProcessPool, OSError) as e:
+                lost.append((label, e))
+                continue
+            done.append(self._record(label, state))
+        if lost and not any(isinstance(e, BrokenProcessPool) for _, e in lost):
+            raise lost[0][1]  # the pool's own failure to start a process (too many open files, say)
         if lost:
             raise PoolProcessDied(
-                f"{', '.join(lost)}: a process of the shard pool was killed while these parts ran or waited, "
-                "most likely by the kernel's OOM killer: memory ran out (`dmesg` or `journalctl -k` names the "
-                "killed process). Each part holds about 1/shards of its stage's input: raise "
-                "`execution.shards` (`filter.shards` for filter, `dedup.partitions` for dedup's reduce) for "
-                "smaller parts, or lower `execution.workers` for fewer at once. Parts already built are "
-                "reused when you run again.")
+                f"{', '.join(label for label, _ in lost)}: a process of the shard pool was killed while these "
+                "parts ran or waited, most likely by the kernel's OOM killer: memory ran out (`dmesg` or "
+                "`journalctl -k` names the killed process). Each part holds about 1/shards of its stage's input: "
+                "raise `execution.shards` (`filter.shards` for filter, `dedup.partitions` for dedup's reduce) for "
+                "smaller parts, or lower `execution.workers` for fewer at once. Parts already built are reused "
+                "when you run again.")
         return done
 
     def _record(self, label: str, state) -> Manifest:

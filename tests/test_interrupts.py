@@ -1,8 +1,9 @@
-"""Interrupts: Ctrl-C on `moeflow up` and `moeflow run`, `moeflow down` after process ids were reused, and a
-pool worker the kernel killed (as its OOM killer does)."""
+"""Interrupts: Ctrl-C and SIGTERM on `moeflow up` and `moeflow run`, `moeflow down` after process ids were
+reused, and a pool worker the kernel killed (as its OOM killer does)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,15 +64,11 @@ def test_down_leaves_alone_a_process_that_reused_a_kept_id(tmp_path, capsys):
 def test_a_pool_worker_killed_names_its_part_and_the_setting(prefect_server, smoke_data, tmp_path):
     """A shard task's pool process SIGKILLed (what the kernel's OOM killer does): the run fails saying which
     parts lost their process, that memory likely ran out, and which settings lower it."""
-    from moeflow.flows.pretrain import pretrain
-
-    path = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
-                        execution={"shards": 2, "workers": 2})
     killed: list[int] = []
 
     def kill_a_pool_worker() -> None:
-        """Once the pool has both its processes, a second on (spawned, still importing: no part done yet; the
-        pool broken while it still spawned fails inside Python's executor, not as a dead process), one goes."""
+        """Once the pool has both its processes, a second on (spawned, still importing: no part done yet), one
+        goes."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if len(pool := [p for p in descendants(os.getpid()) if b"spawn_main" in _cmdline(p)]) == 2:
@@ -83,10 +80,45 @@ def test_a_pool_worker_killed_names_its_part_and_the_setting(prefect_server, smo
 
     killer = threading.Thread(target=kill_a_pool_worker, daemon=True)
     killer.start()
-    with pytest.raises(PoolProcessDied) as failed:
-        pretrain(config=str(path), until="filter")
+    _lose_both_ingest_parts(tmp_path)
     killer.join()
     assert killed
+
+
+def test_a_pool_worker_killed_while_the_pool_starts_names_its_part(prefect_server, smoke_data, tmp_path,
+                                                                   monkeypatch):
+    """The first pool process SIGKILLed while the pool still spawns the second (the OOM killer can pick it
+    there): the part being submitted fails in the executor, which closed its queues under it
+    (OSError('handle is closed')), and the run says what died as above."""
+    from concurrent.futures.process import ProcessPoolExecutor
+
+    spawn, killed = ProcessPoolExecutor._spawn_process, []
+
+    def kill_the_first_then_spawn(pool: ProcessPoolExecutor) -> None:
+        if pool._processes and not killed:
+            (first,) = pool._processes.values()
+            os.kill(first.pid, signal.SIGKILL)
+            killed.append(first.pid)
+            deadline = time.monotonic() + 30
+            while not pool._call_queue._reader.closed:  # the pool has seen it die: broken, its queues closing
+                assert time.monotonic() < deadline, "the pool never saw its process die"
+                time.sleep(0.01)
+        spawn(pool)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "_spawn_process", kill_the_first_then_spawn)
+    _lose_both_ingest_parts(tmp_path)
+    assert killed
+
+
+def _lose_both_ingest_parts(tmp_path: Path) -> None:
+    """Run smoke to filter with two ingest parts on two pool processes, a test killing one before any part is
+    done: the run fails naming both parts, that memory likely ran out, and which settings lower it."""
+    from moeflow.flows.pretrain import pretrain
+
+    path = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
+                        execution={"shards": 2, "workers": 2})
+    with pytest.raises(PoolProcessDied) as failed:
+        pretrain(config=str(path), until="filter")
     message = str(failed.value)
     assert message.startswith("ingest[0/2], ingest[1/2]: a process of the shard pool was killed")  # none done yet
     assert "OOM killer: memory ran out" in message and "`execution.shards`" in message
@@ -104,6 +136,13 @@ def _ours(mark: str) -> list[str]:
     return found
 
 
+def _kill_left(found: list[str]) -> None:
+    """SIGKILL what `_ours` found (a failing test leaves no stack behind)."""
+    for line in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+
+
 class _Command:
     """A moeflow command in a session of its own, as a terminal runs it; its output collected as it comes."""
 
@@ -117,6 +156,13 @@ class _Command:
     def ctrl_c(self) -> None:
         """What a terminal's Ctrl-C does: SIGINT to the foreground process group."""
         os.killpg(self.proc.pid, signal.SIGINT)
+
+    def interrupt(self, sig: signal.Signals) -> None:
+        """Ctrl-C, or SIGTERM as `kill PID` or a supervisor stopping the command sends it: to its process only."""
+        if sig == signal.SIGINT:
+            self.ctrl_c()
+        else:
+            self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> tuple[int, str]:
         try:
@@ -164,19 +210,26 @@ def _up_past_ingest(tmp_path: Path) -> tuple[_Command, str, str]:
     return up, line.rsplit("/", 1)[1].strip(), mark
 
 
+INTERRUPTS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+
+
 @pytest.mark.e2e
 @pytest.mark.check
-def test_ctrl_c_on_up_cancels_the_flow_run_and_stops_server_and_worker(smoke_data, tmp_path):
-    """Ctrl-C on `moeflow up smoke` while the flow runs: the run is cancelled through Prefect (Cancelled, as its
-    server reports), no server, worker or flow run process is left, and the command exits 130 saying so."""
+@INTERRUPTS
+def test_an_interrupt_on_up_cancels_the_flow_run_and_stops_server_and_worker(smoke_data, tmp_path, sig):
+    """Ctrl-C or SIGTERM on `moeflow up smoke` while the flow runs: the run is cancelled through Prefect
+    (Cancelled, as its server reports), no server, worker or flow run process is left, and the command exits
+    128 + the signal's number (130, 143) saying so."""
     up, run_id, mark = _up_past_ingest(tmp_path)
     started = time.monotonic()
-    up.ctrl_c()
+    up.interrupt(sig)
     rc, out = up.wait(timeout=240)
-    print(f"exited {time.monotonic() - started:.1f} s after Ctrl-C\n{out[-3000:]}")
-    assert rc == 130, out
+    print(f"exited {time.monotonic() - started:.1f} s after {sig.name}\n{out[-3000:]}")
+    left = _ours(mark)
+    _kill_left(left)
+    assert left == [], f"still running after the command exited: {left}"
+    assert rc == 128 + sig, out
     assert f"interrupted: flow run {run_id} cancelled; server and worker stopped" in out
-    assert _ours(mark) == []
     assert _state_on_restarted_server(tmp_path / "home", run_id) == (run_id, "CANCELLED")
 
 
@@ -197,10 +250,11 @@ def test_a_second_ctrl_c_on_up_kills_at_once(smoke_data, tmp_path):
 
 
 @pytest.mark.check
-def test_ctrl_c_on_run_cancels_the_flow_run_and_stops_pool_and_server(smoke_data, tmp_path):
-    """Ctrl-C on `moeflow run` while a sharded stage's pool works: the flow run ends Cancelled on the temporary
-    server (which a Ctrl-C to the command's process group does not reach), and no pool or server process is
-    left; exit 130."""
+@INTERRUPTS
+def test_an_interrupt_on_run_cancels_the_flow_run_and_stops_pool_and_server(smoke_data, tmp_path, sig):
+    """Ctrl-C or SIGTERM on `moeflow run` while a sharded stage's pool works: the flow run ends Cancelled on the
+    temporary server (which a Ctrl-C to the command's process group does not reach), and no pool or server
+    process is left; exit 128 + the signal's number (130, 143)."""
     config = write_config(tmp_path / "smoke.yaml", store=str(tmp_path / "store"),
                           execution={"shards": 2, "workers": 2})
     mark = f"MOEFLOW_TEST_MARK={tmp_path}"
@@ -214,12 +268,14 @@ def test_ctrl_c_on_run_cancels_the_flow_run_and_stops_pool_and_server(smoke_data
     _await(pool, 240, "no pool process started", run)
     time.sleep(2)  # into the parts' work
     started = time.monotonic()
-    run.ctrl_c()
+    run.interrupt(sig)
     rc, out = run.wait(timeout=120)
-    print(f"exited {time.monotonic() - started:.1f} s after Ctrl-C\n{out}")
-    assert rc == 130, out
+    print(f"exited {time.monotonic() - started:.1f} s after {sig.name}\n{out}")
+    left = _ours(mark)
+    _kill_left(left)
+    assert left == [], f"still running after the command exited: {left}"
+    assert rc == 128 + sig, out
     assert "cancelled; the temporary server is stopping" in out
-    assert _ours(mark) == []
     assert _state_on_restarted_server(tmp_path / "home")[1] == "CANCELLED"
 
 

@@ -1,11 +1,15 @@
 """Training under torchrun (gloo, CPU).
 
-2 ranks with experts split across them reproduce the single process.
+2 ranks with experts split across them reproduce the single process; the launcher stops torchrun when the
+build's lease is lost, and reads its output while it uploads a checkpoint.
 """
 
 import json
+import os
 import shutil
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -203,3 +207,92 @@ def test_configs_refuse_what_cannot_be_split(tmp_path):
                 train={"distributed": {"nproc_per_node": 2}},
             )
         )
+
+
+def _torchrun_running(folder: Path, script: str) -> list[str]:
+    """The launcher's torchrun command (2 ranks), each rank running `script` instead of training."""
+    (folder / "rank.py").write_text(script)
+    return [*launch.command(TrainConfig(distributed={"nproc_per_node": 2}), "-")[:-3], str(folder / "rank.py")]
+
+
+def _torchrun_processes() -> list[int]:
+    """This test's torchrun and its ranks (their command lines name torch.distributed.run, rank.py)."""
+    from moeflow.cli.stack import descendants
+
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""  # gone
+
+    return [p for p in descendants(os.getpid()) if b"rank.py" in cmdline(p) or b"torch.distributed.run" in cmdline(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+QUIET = """
+import time
+print("step 1", flush=True)
+time.sleep(30)  # a long stretch without output (logging every N steps; an evaluation)
+"""
+
+
+def test_a_lost_lease_stops_torchrun_within_seconds(tmp_path):
+    """The build's lease taken by another writer while torchrun trains without printing: LeaseLost stops torchrun
+    and its ranks within seconds, instead of waiting in the launcher's output loop for their next line."""
+    import fsspec
+
+    from moeflow.store.lease import Lease, LeaseLost
+
+    cmd = _torchrun_running(tmp_path, QUIET)
+    fs, prefix = fsspec.filesystem("memory"), f"leases/{uuid.uuid4().hex}"
+    seen: dict = {}
+
+    def take_the_lease(lease: Lease) -> None:
+        """Once both ranks run, another writer takes the lease (as after this one paused past its expiry); 8 s
+        later, what still runs of torchrun's processes."""
+        deadline = time.monotonic() + 60
+        while len(found := _torchrun_processes()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fs.pipe_file(f"{prefix}/{lease.gen + 1:012d}", b"{}")
+        seen["taken"] = time.monotonic()
+        time.sleep(8)
+        seen["left"] = [p for p in found if _running(p)]
+
+    with pytest.raises(LeaseLost, match="another writer took it"):
+        with Lease(fs, prefix, seconds=3) as lease:  # renewed every second: the loss is seen within one
+            taker = threading.Thread(target=take_the_lease, args=(lease,))
+            taker.start()
+            launch._stream(cmd, TrainConfig(distributed={"nproc_per_node": 2}), None, tmp_path)
+    took = time.monotonic() - seen["taken"]
+    print(f"LeaseLost {took:.1f} s after another writer took the lease")
+    taker.join()
+    assert seen["left"] == [], f"torchrun or its ranks still ran 8 s after the loss (LeaseLost after {took:.1f} s)"
+    assert took < 8
+
+
+WRITE_1MB = """
+import os, time
+t = time.monotonic()
+for _ in range(10_000):
+    print("x" * 99)
+open(os.environ["DONE"] + os.environ["RANK"], "w").write(str(time.monotonic() - t))
+"""
+
+
+def test_a_slow_checkpoint_upload_does_not_stall_torchruns_output(tmp_path, monkeypatch):
+    """Sharing a checkpoint with the object store takes 3 s and is due every 0.5 s: torchrun's ranks still
+    write 1 MB of output each (16 pipe buffers) at once, their output read on while the upload runs."""
+    monkeypatch.setattr(launch, "SHARE_EVERY_S", 0.5)
+    monkeypatch.setattr(launch, "share_checkpoint", lambda shared, work: time.sleep(3))
+    monkeypatch.setenv("DONE", str(tmp_path / "wrote"))
+    cmd = _torchrun_running(tmp_path, WRITE_1MB)
+    returncode, tail = launch._stream(cmd, TrainConfig(distributed={"nproc_per_node": 2}), object(), tmp_path)
+    assert returncode == 0, "".join(tail)
+    wrote = [float((tmp_path / f"wrote{rank}").read_text()) for rank in (0, 1)]
+    assert max(wrote) < 2, f"the ranks took {wrote} s to write their output"
