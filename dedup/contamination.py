@@ -33,6 +33,8 @@ from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import edited, formats, review
 from moeflow.dedup.lookup import SortedHashes
+from moeflow.ingest import lines
+from moeflow.ingest.errors import READ_ERRORS, why
 from moeflow.sources import fetch
 from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, windows, word_hashes, words
 
@@ -108,18 +110,37 @@ def text_of(bench: BenchmarkConfig, doc: dict) -> str:
     return "\n".join(_strings(doc))
 
 
+LOCAL_LINE_LIMIT = 64 << 20  # the longest line of your own eval set read: an item, not a corpus
+
+
 def _local(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
-    """Your own eval set's rows: a .jsonl (or .jsonl.gz) or .parquet file."""
+    """Your own eval set's rows: a .jsonl (.jsonl.gz, .jsonl.zst) or .parquet file, read through ingest's
+    bounded path (a line past `LOCAL_LINE_LIMIT`, or a file expanding past a source's default bound, is an
+    error naming the file, not a worker out of memory)."""
     path = Path(bench.path).expanduser()
     if not path.is_file():
         raise ValueError(f"benchmark {bench.name!r}: {path} is not a file; give the path of your eval set "
                          "(.jsonl, .jsonl.gz or .parquet)")
-    if path.suffix == ".parquet":
-        rows = pq.read_table(path).to_pylist()
-    else:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    bound = lines.Bound()
+    try:
+        if path.suffix == ".parquet":
+            f = pq.ParquetFile(path)
+            for g in range(f.metadata.num_row_groups):
+                group = f.metadata.row_group(g)
+                bound.check(group.total_byte_size, sum(group.column(c).total_compressed_size
+                                                       for c in range(group.num_columns)), path)
+            rows = f.read().to_pylist()
+        else:
+            rows = []
+            for n, line in enumerate(lines.split(lines.chunks(path, bound), LOCAL_LINE_LIMIT), start=1):
+                if isinstance(line, lines.Overlong):
+                    raise ValueError(f"line {n} is {line.size:,} bytes, over {LOCAL_LINE_LIMIT:,}")
+                if line.strip():
+                    rows.append(json.loads(line))
+    except (ValueError, lines.LineCut, *READ_ERRORS) as e:
+        cause = e.error if isinstance(e, lines.LineCut) else e
+        raise ValueError(f"benchmark {bench.name!r}: {path} cannot be read as an eval set: {why(cause)}; fix or "
+                         "replace the file") from e
     for i, row in enumerate(rows):
         if bench.id_field and bench.id_field not in row:
             raise ValueError(f"benchmark {bench.name!r}: row {i} of {path} has no {bench.id_field!r} field")

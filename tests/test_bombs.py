@@ -101,3 +101,21 @@ def test_bombs_of_every_format_are_quarantined_and_the_rest_of_each_source_kept(
                     "p/x.parquet#L2"}
     assert len(rows) == stats["documents_in"] == stats["fates"]["kept"] + stats["fates"]["quarantined"]
     assert sum(1 for _ in iter_docs(out)) == len(kept)
+
+
+@pytest.mark.parametrize("name", ["own.jsonl.gz", "own.jsonl.zst"])
+def test_your_own_eval_set_that_is_a_bomb_is_an_error_naming_it(tmp_path, name):
+    """Your own benchmark file is read through the same bounded path: a bomb fails with the file named (it
+    was read whole, a line at a time, so a bomb of one line was held whole), and a good compressed one reads."""
+    from moeflow.configs import BenchmarkConfig
+    from moeflow.dedup import contamination
+
+    path = bomb(tmp_path / name, 1 << 30, head=b'{"text": "q"}\n')
+    with pytest.raises(ValueError, match=rf"benchmark 'own': .*{name} cannot be read as an eval set: "
+                                         r"DecompressionBomb: .*max_expansion"):
+        list(contamination.records(BenchmarkConfig(name="own", path=str(path))))
+    good = tmp_path / f"good-{name}"
+    raw = b"".join(GOOD)
+    good.write_bytes(gzip.compress(raw) if name.endswith(".gz") else zstandard.ZstdCompressor().compress(raw))
+    items = list(contamination.records(BenchmarkConfig(name="own", path=str(good))))
+    assert [doc["text"] for _, _, doc in items] == [json.loads(line)["text"] for line in GOOD]
