@@ -66,6 +66,23 @@ def test_gc_keeps_what_kept_runs_use_and_their_upstream(tmp_path):
         gc.parse_age("7 days")
 
 
+def _gc_while_running(run: subprocess.Popen, root: Path | str, built) -> dict:
+    """Once the run has built something (`built()`), gc: refused with `wait=False`, then waiting for the run."""
+    deadline = time.monotonic() + 300
+    while not built() and run.poll() is None:
+        assert time.monotonic() < deadline, "the run built nothing in 300 s"
+        time.sleep(0.5)
+    assert run.poll() is None, run.stdout.read()
+    said: list[str] = []
+    with pytest.raises(ArtifactError, match="in use"):
+        gc.gc(root, wait=False, say=said.append)
+    done = gc.gc(root, say=said.append)  # waits for the run
+    out = run.communicate()[0]
+    assert run.returncode == 0, out[-4000:]
+    assert any("waiting" in s for s in said), said
+    return done
+
+
 @pytest.mark.check
 def test_gc_waits_for_a_run_and_loses_nothing_it_needs(prefect_server, smoke_data, tmp_path):
     """A real smoke run (to `decontaminate`) in its own process, and gc started while it builds: gc waits
@@ -82,18 +99,7 @@ def test_gc_waits_for_a_run_and_loses_nothing_it_needs(prefect_server, smoke_dat
     cmd = [sys.executable, "-m", "moeflow.cli", "run", str(cfg), "--until", "decontaminate"]
     run = subprocess.Popen(cmd, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not list(store.root.glob("ingest*/*/manifest.json")) and run.poll() is None:
-        assert time.monotonic() < deadline, "the run built nothing in 300 s"
-        time.sleep(0.5)
-    assert run.poll() is None, run.stdout.read()
-    said: list[str] = []
-    with pytest.raises(Exception, match="in use"):
-        gc.gc(store.root, wait=False, say=said.append)
-    done = gc.gc(store.root, say=said.append)  # waits for the run
-    out = run.communicate()[0]
-    assert run.returncode == 0, out
-    assert any("waiting" in s for s in said), said
+    done = _gc_while_running(run, store.root, lambda: list(store.root.glob("ingest*/*/manifest.json")))
     assert done["artifacts"] == 1 and not garbage.exists()
     latest = max((store.root / "runs").glob("*.json"), key=lambda p: p.stat().st_mtime)
     summary = json.loads(latest.read_text())
@@ -185,3 +191,23 @@ def test_gc_on_an_object_store_waits_for_the_runs_using_it_and_runs_wait_for_gc(
         order.append("gc done")
     starting.join(timeout=30)
     assert order[-2:] == ["gc done", "run"]
+
+
+@pytest.mark.check
+def test_gc_on_an_object_store_waits_for_a_run_and_loses_nothing_it_needs(s3, prefect_server, smoke_data,
+                                                                          tmp_path):
+    """A smoke run (to `dedup`) on S3 in its own process, and gc started while it builds: gc waits for the
+    run's lease, then removes the planted garbage only; every artifact the run recorded verifies."""
+    from test_objstore import _run
+
+    from helpers import manifest_of, write_config
+
+    store = ObjectStore(f"{_bucket(s3)}/store")
+    _commit(store, "mix", "old", "smoke")
+    run = _run(write_config(tmp_path / "smoke.yaml", store=store.url), "--until", "dedup")
+    done = _gc_while_running(run, store.url, lambda: store.fs.glob(f"{store.base}/ingest*/*/manifest.json"))
+    assert done["artifacts"] == 1 and store.get("mix", "old") is None
+    stages = store.runs()[-1]["stages"]
+    assert {"ingest", "filter", "dedup"} <= set(stages)
+    for entry in stages.values():
+        Manifest(**manifest_of(entry)).verify()
