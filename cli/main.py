@@ -410,20 +410,16 @@ def _dir(cfg, stage: str, entry: dict) -> Path:
     return _manifest(cfg, stage, entry).dir
 
 
-def _store_root(args) -> Path:
+def _store_url(args) -> str:
     from moeflow import configs
-    from moeflow.store.format import is_remote
 
-    url = args.store or configs.load(args.config).store_url()
-    if is_remote(url):
-        raise SystemExit(f"moeflow {args.command}: `ls` and `gc` work on local stores only, not yet on {url}")
-    return Path(url)
+    return args.store or configs.load(args.config).store_url()
 
 
 def _ls(args) -> int:
     from moeflow.store import gc
 
-    root = _store_root(args)
+    root = _store_url(args)
     rows = gc.listing(root, args.stage, args.keep_latest)
     head = ["stage", "artifact", "size", "age", "config", "used by (latest runs)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
@@ -437,17 +433,18 @@ def _ls(args) -> int:
 
 def _gc(args) -> int:
     from moeflow.store import gc
-    from moeflow.store.format import ArtifactError
+    from moeflow.store.format import ArtifactError, is_remote
 
+    url = _store_url(args)
     try:
         older = gc.parse_age(args.older_than) if args.older_than else None
-        done = gc.gc(_store_root(args), args.keep_latest, older, args.dry_run,
-                               wait=not args.no_wait)
+        done = gc.gc(url, args.keep_latest, older, args.dry_run, wait=not args.no_wait)
     except (ValueError, ArtifactError) as e:
         print(f"moeflow gc: {e}", file=sys.stderr)
         return 1
     verb = "would free" if done["dry_run"] else "freed"
-    print(f"{done['artifacts']} artifacts and {done['stale']} stale staging folders: {verb} "
+    leftovers = "superseded data prefixes" if is_remote(url) else "stale staging folders"
+    print(f"{done['artifacts']} artifacts and {done['stale']} {leftovers}: {verb} "
           f"{done['bytes'] / 2**20:.1f} MB")
     return 0
 
@@ -579,11 +576,13 @@ def _store_commands(sub) -> None:
     ls_.add_argument("stage", nargs="?", metavar="STAGE", help="only this stage's artifacts")
     gc_ = sub.add_parser(
         "gc",
-        help="remove artifacts no kept run uses, and stale staging folders",
+        help="remove artifacts no kept run uses, stale staging folders and superseded data",
         description="Remove the artifacts that the kept runs of no config use (each config's --keep-latest "
         "runs, and everything upstream of what they used), optionally only those older than --older-than, "
-        "and the staging folders dead writers left. Holds the store's run lock exclusively: it waits "
-        "while any run uses the store (or stops, with --no-wait). Resumable training work is kept.",
+        "and the staging folders dead writers left; on an object store, the data prefixes no manifest names "
+        "(a rerun's predecessor, a killed writer's upload) once MOEFLOW_GRACE_SECONDS have passed since gc or "
+        "a publish first found them. Holds the store's run lock exclusively (a lease on an object store): it "
+        "waits while any run uses the store (or stops, with --no-wait). Resumable training work is kept.",
     )
     gc_.add_argument("--older-than", metavar="AGE",
                      help="only artifacts finished longer ago (30m, 12h, 7d, 2w)")
@@ -591,7 +590,8 @@ def _store_commands(sub) -> None:
     gc_.add_argument("--no-wait", action="store_true", help="stop with an error if a run is using the store")
     for parser, fn in ((ls_, _ls), (gc_, _gc)):
         parser.add_argument("--config", default="tiny", metavar="CONFIG", help="whose store (default: tiny)")
-        parser.add_argument("--store", metavar="DIR", help="a store folder, instead of --config's")
+        parser.add_argument("--store", metavar="URL", help="a store folder or object store URL (s3://...), "
+                            "instead of --config's")
         parser.add_argument("--keep-latest", type=int, default=1, metavar="N",
                             help="runs kept per config (default 1)")
         parser.set_defaults(fn=fn)

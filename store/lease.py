@@ -172,10 +172,15 @@ class Lease:
         except FileNotFoundError:
             return None
 
+    def holder(self, gens: list[str] | None = None) -> dict | None:
+        """The live holder's record (host, pid, expiry), None when the lease is free."""
+        gens = self._generations() if gens is None else gens
+        top = self._state(gens[-1]) if gens else None
+        return top if top is not None and not top.get("released") and top["expires"] > time.time() else None
+
     def _try(self, atomic: bool) -> bool:
         gens = self._generations()
-        top = self._state(gens[-1]) if gens else None
-        if top is not None and not top.get("released") and top["expires"] > time.time():
+        if (top := self.holder(gens)) is not None:
             if not atomic:
                 raise ArtifactError(f"{self.prefix} is held by {top['host']} pid {top['pid']}, and this "
                                     "backend cannot create objects atomically: run one writer at a time")

@@ -6,13 +6,13 @@ file's size and xxh3, is written last: it is the commit marker, one conditional 
 manifest the writer saw when it took the build lease: `lease.put_if`), so a killed writer leaves nothing
 a reader accepts and a writer whose lease lapsed cannot commit over another's. A prefix no manifest
 names any more (a rerun's predecessor, a killed writer's) is marked (`.superseded/data-<id>`) and
-removed by a later publish of that artifact once `MOEFLOW_GRACE_SECONDS` (default a day) have passed,
-so a reader of the old manifest finishes; one that still loses the race gets an `ArtifactError` saying
-so. Build locks are lease objects made with create-if-absent, renewed by a
-heartbeat and lapsing when their holder dies (`Lease`). Stage bodies read a node-local mirror laid
-out like a local store, filled as artifacts are needed, each file verified as it arrives and kept
-while the artifact's content hash stays the same. Credentials come from the environment and fsspec's
-own configuration (`AWS_*`, `FSSPEC_S3_*`, `~/.aws`), never from the run config or lineage.
+removed by a later publish of that artifact or by `moeflow gc` once `MOEFLOW_GRACE_SECONDS` (default a
+day) have passed, so a reader of the old manifest finishes; one that still loses the race gets an
+`ArtifactError` saying so. Build locks, and the run lock `moeflow gc` takes, are lease objects made with
+create-if-absent, renewed by a heartbeat and lapsing when their holder dies (`Lease`). Stage bodies read
+a node-local mirror laid out like a local store, filled as artifacts are needed, each file verified as it
+arrives and kept while the artifact's content hash stays the same. Credentials come from the environment
+and fsspec's own configuration (`AWS_*`, `FSSPEC_S3_*`, `~/.aws`), never from the run config or lineage.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from moeflow.store.mirror import Mirror, replace_folder
 
 log = logging.getLogger(__name__)
 SUPERSEDED = ".superseded"  # <artifact>/.superseded/data-<id>: since when no manifest names that prefix
+RUNS_LOCK = ".runs.lock"  # <url>/.runs.lock/<id>: the lease of a run using the store (`in_use`)
+GC_LOCK = ".gc.lock"  # <url>/.gc.lock: `moeflow gc`'s lease (`exclusive`)
 
 
 def grace_seconds() -> float:
@@ -84,12 +86,46 @@ class ObjectStore(Mirror):
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
-        yield  # `moeflow gc` does not work on object stores yet (it refuses), so there is nothing to hold
+        """Hold a run lease of this run's own (`.runs.lock/<id>`) while it uses the store (any number of runs
+        at once), taken only while `moeflow gc` holds none (`exclusive`): a run waits for that gc to end. A run
+        whose lease lapses (renewals failing for the lease time) stops with `LeaseLost`, as a build does."""
+        gc_lease = Lease(self.fs, self._path(GC_LOCK))
+        while True:
+            while gc_lease.holder() is not None:
+                time.sleep(1)
+            with Lease(self.fs, self._path(RUNS_LOCK, uuid.uuid4().hex)):
+                if gc_lease.holder() is None:  # gc takes its lease, then looks for runs': one of them waits
+                    yield
+                    return
 
     @contextlib.contextmanager
     def exclusive(self, wait: bool = True, say=print) -> Iterator[None]:
-        raise ArtifactError(f"`moeflow gc` and `ls` work on local stores only, not yet on {self.url}")
-        yield
+        """Hold the store's gc lease (`.gc.lock`) with no run lease live (`moeflow gc`): wait for the runs
+        using the store to end, or, with `wait=False`, raise ArtifactError saying they are there. A run that
+        ended without releasing its lease holds it until it lapses; released and lapsed ones are removed."""
+        said = False
+        with Lease(self.fs, self._path(GC_LOCK)):
+            while running := self._runs_using():
+                if not wait:
+                    raise ArtifactError(f"the store {self.url} is in use by a running run ({running[0]['host']} "
+                                        f"pid {running[0]['pid']}); retry when it has ended, or wait for it "
+                                        "(without --no-wait)")
+                if not said:
+                    say(f"waiting for the runs using {self.url} to end ...")
+                    said = True
+                time.sleep(1)
+            yield
+
+    def _runs_using(self) -> list[dict]:
+        """The live holders of run leases; the prefixes of the others are removed."""
+        live = []
+        with contextlib.suppress(FileNotFoundError):
+            for prefix in self.fs.ls(self._path(RUNS_LOCK), detail=False, refresh=True):
+                if (holder := Lease(self.fs, prefix).holder()) is not None:
+                    live.append(holder)
+                else:
+                    self.fs.rm(prefix, recursive=True)
+        return live
 
     staging = Store.staging  # a local folder in the mirror: the stage body writes there, then `commit`
 
@@ -124,25 +160,36 @@ class ObjectStore(Mirror):
         return manifest
 
     def _sweep(self, stage: str, name: str, keep: str) -> None:
-        """Data prefixes no manifest names (an older version's, a killed writer's): marked when first seen,
-        removed once marked for `grace_seconds()`."""
-        now, grace = time.time(), grace_seconds()
+        """Remove the artifact's data prefixes no manifest names that `superseded` finds past the grace
+        period (`keep`: the one its manifest names now, unmarked whatever a racing writer marked)."""
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._path(stage, name, SUPERSEDED, keep))  # named now, whatever a racing writer marked
+            self.fs.rm(self._path(stage, name, SUPERSEDED, keep))
+        for path, since in self.superseded(stage, name, keep).items():
+            if time.time() - since >= grace_seconds():
+                self.drop(path)
+
+    def superseded(self, stage: str, name: str, keep: str | None, mark: bool = True) -> dict[str, float]:
+        """The artifact's data prefixes but `keep` (an older version's, a killed writer's), each with since
+        when no manifest names it: its mark's time, or now for one seen first now (marked, with `mark`)."""
+        now, found = time.time(), {}
         for path in self.fs.ls(self._path(stage, name), detail=False, refresh=True):
             leaf = PurePosixPath(path).name
             if not leaf.startswith("data-") or leaf == keep:
                 continue
-            mark = self._path(stage, name, SUPERSEDED, leaf)
             try:
-                since = float(self.fs.cat_file(mark))
+                found[path] = float(self.fs.cat_file(self._path(stage, name, SUPERSEDED, leaf)))
             except FileNotFoundError:
-                since = now
-                self.fs.pipe_file(mark, str(now).encode())
-            if now - since >= grace:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm(path, recursive=True)
-                    self.fs.rm(mark)
+                found[path] = now
+                if mark:
+                    self.fs.pipe_file(self._path(stage, name, SUPERSEDED, leaf), str(now).encode())
+        return found
+
+    def drop(self, data: str) -> None:
+        """Remove a superseded data prefix and its mark."""
+        prefix, leaf = data.rsplit("/", 1)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(data, recursive=True)
+            self.fs.rm(f"{prefix}/{SUPERSEDED}/{leaf}")
 
     def runs(self) -> list[dict]:
         """The run records, oldest first (by the store's modification time)."""
