@@ -267,7 +267,7 @@ def _run_record(graph: dict[str, dict], g: dict[str, dict]) -> dict:
     fields = [
         ["tokens/s (median step)", ts["tokens_per_s"]],
         ["achieved TFLOP/s per device (median step)", ts.get("tflops", "-")],
-        ["MFU per device (last step)",
+        ["MFU per device (median step)",
          ts["mfu"] if ts.get("mfu") is not None else "not reported (train.peak_tflops unset)"],
         ["training seconds", ts.get("train_seconds", "-")],
     ]

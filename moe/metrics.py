@@ -162,6 +162,11 @@ def distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
     }
 
 
+def _median(values: list[float | None]) -> float | None:
+    """The median step's figure, rounded as a record's; None when the steps have none (no device peak)."""
+    return None if None in values else round(float(np.median(values)), 5)
+
+
 def _phases(cfg: TrainConfig, records: list[dict]) -> list[dict]:
     """Where each phase of the mix starts (a phase's rows may be longer or shorter than the last's)."""
     return [
@@ -203,7 +208,7 @@ def summarise(
         "loss_fell": tail < head,
         "tokens_per_s": round(float(np.median([r["tokens_per_s"] for r in records])), 1),
         "tflops": round(float(np.median([r["tflops"] for r in records])), 5),
-        "mfu": last["mfu"],
+        "mfu": _median([r.get("mfu") for r in records]),
         "peak_grad_norm": max(r["grad_norm"] for r in records),
         "final_load_imbalance": last["load_imbalance"],
         "final_tokens_per_expert": last["tokens_per_expert"],

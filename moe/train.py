@@ -153,6 +153,8 @@ class Trainer:
             self.forward_backward(self.data.rows(a, a + self.local), totals)
         groups, grad_norm = self.clip(totals)
         self.opt.step()
+        if self.dev.type == "cuda":  # the optimizer's kernels are queued, not done: time them too
+            torch.cuda.synchronize(self.dev)
         seconds = time.perf_counter() - t0
         return Step(
             number=i + 1, phase=int(self.data.phase[first]), seq_len=seq_len, lr=lr,

@@ -70,7 +70,8 @@ def test_mfu_is_per_device_one_rank_or_two(mix_dir, tmp_path):
     cfg = TrainConfig(steps=2, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=1, checkpoint_every=2,
                       peak_tflops=peak)
     kw = {"seed": 7, "mix_dir": mix_dir, "tokenizer_dir": mix_dir}
-    vocab = train.run(MOE, cfg, out=tmp_path / "one", **kw)["vocab_size"]
+    one = train.run(MOE, cfg, out=tmp_path / "one", **kw)
+    vocab = one["vocab_size"]
     two = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"nproc_per_node": 2})})
     launch.torchrun(MOE, two, out=tmp_path / "two", work=tmp_path / "two" / "work", **kw)
     model = Transformer(MOE, vocab_size=vocab, max_seq_len=32)
@@ -82,6 +83,8 @@ def test_mfu_is_per_device_one_rank_or_two(mix_dir, tmp_path):
             per_device = flops / seconds / ranks / 1e12
             assert r["tflops"] == pytest.approx(per_device, rel=0.02, abs=2e-5), (ranks, r)
             assert r["mfu"] == pytest.approx(per_device / peak, rel=0.02), (ranks, r)
+    steps = [json.loads(line)["mfu"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert one["mfu"] == round(float(np.median(steps)), 5)  # the median step's, as the TFLOP/s beside it
 
 
 def test_the_tied_embedding_is_not_decayed_unless_asked():
