@@ -50,10 +50,12 @@ class Alarms:
         self.was_outside = False
 
     def replay(self, records: list[dict]) -> None:
-        """A resumed run's history: the records of the steps before its checkpoint."""
+        """A resumed run's history: the records of the steps before its checkpoint, and whether the last was
+        outside the band (so a run resumed outside it does not alarm again for the same stretch)."""
         for rec in records:
             self.monitor.check(rec["ce"], rec["grad_norm"])
             self.recent.append(rec["ce"])
+            self.was_outside = bool(rec.get("outside_ladder_band"))
 
     def check(self, s: Step, record: dict) -> list[str]:
         """The step's alarms; with a band, `record` gets the band and whether the run is outside it."""

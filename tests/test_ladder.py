@@ -168,6 +168,39 @@ def test_band_follows_the_ladder_curves(tmp_path):
     assert band.check(4, 2.1) is None and "outside" in band.check(4, 2.5)
 
 
+def test_a_run_resumed_outside_the_band_does_not_alarm_again(tmp_path):
+    """Leaving the band alarms once; a run resumed from a checkpoint taken outside it (its records replayed)
+    does not alarm again until it has come back in and left once more."""
+    from moeflow.configs import AlarmConfig
+    from moeflow.moe.alarms import Alarms, Monitor
+    from moeflow.moe.metrics import Step
+
+    (tmp_path / "prediction.json").write_text(json.dumps({"band": [2.0, 2.2]}))
+    (tmp_path / "curves.json").write_text(json.dumps([{"fraction": [0.0, 1.0], "ratio": [1.0, 1.0]}]))
+    band = ladder.Band(tmp_path, steps=40, tolerance=0.0)
+
+    def run(alarms: Alarms, losses: dict[int, float]) -> tuple[list[dict], list[str]]:
+        records, fired = [], []
+        for n, ce in losses.items():
+            step = Step(number=n, phase=0, seq_len=8, lr=0.0, micro_batches=1, ce_sum=ce, load_balancing_sum=0.0,
+                        router_z_sum=0.0, logit_z_sum=0.0, grad_norm=1.0, grad_norm_groups={},
+                        tokens_per_expert=[], dropped=0, seconds=1.0, tokens=8, flops_per_token=1)
+            record = {"ce": ce, "grad_norm": 1.0}
+            fired += alarms.check(step, record)
+            records.append(record)
+        return records, fired
+
+    def fresh() -> Alarms:
+        return Alarms(Monitor(AlarmConfig()), band, warmup_steps=0)
+
+    before, fired = run(fresh(), {n: 2.1 if n <= 10 else 3.0 for n in range(1, 21)})  # out from step 11 or so
+    assert len(fired) == 1
+    resumed = fresh()
+    resumed.replay(before)
+    assert run(resumed, {n: 3.0 for n in range(21, 26)})[1] == []  # still out: no second alarm
+    assert len(run(resumed, {**{n: 2.1 for n in range(26, 36)}, **{n: 3.0 for n in range(36, 41)}})[1]) == 1
+
+
 def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_data, tmp_path):
     from helpers import write_config
     from moeflow.flows.pretrain import pretrain
