@@ -210,14 +210,23 @@ def _mix(mix: dict) -> dict:
     }
 
 
+def _resume(r: dict) -> str:
+    """A resume and what it trained again (the steps recorded after its checkpoint)."""
+    if "recomputed_steps" not in r:  # recorded before restarts were costed
+        return f"from step {r['from_step']}"
+    return (f"from step {r['from_step']}: {r['recomputed_steps']} steps trained again, "
+            f"{r['recomputed_tokens']:,} tokens, {r['recomputed_flops']:.3g} FLOPs, {r['recomputed_seconds']} s")
+
+
 def _training_table(g: dict[str, dict]) -> str:
     train, mix = g["train"], g["mix"]["stats"]
     ts, code = train["stats"], train["code"]
     planned = sum(ph["steps"] * mix["batch_size"] * ph["seq_len"] for ph in mix["phases"])
     resumes = (
-        (", ".join(f"from step {r['from_step']}" for r in ts.get("resumes", [])) or "none")
+        ("; ".join(map(_resume, ts.get("resumes", []))) or "none")
         + " (a resume continues the same config: checkpoints live in a folder keyed by the "
-        "train stage's config hash, so a changed config starts a new run and a new artifact)"
+        "train stage's config hash, so a changed config starts a new run and a new artifact; the steps it "
+        "trains again take the same rows, so the token budget is unchanged and the cost is compute)"
     )
     return table(
         ["field", "value"],

@@ -162,6 +162,17 @@ def distributed_summary(cfg: TrainConfig, records: list[dict]) -> dict | None:
     }
 
 
+def restart_cost(dropped: list[dict], model: Transformer, cfg: TrainConfig) -> dict:
+    """What a resume trains again: the steps recorded after its checkpoint (their records dropped), their
+    tokens, model FLOPs and wall seconds as recorded. The time a killed step had run before the kill, and the
+    restart itself, are not in them."""
+    tokens = [cfg.batch_size * r.get("seq_len", cfg.seq_len) for r in dropped]
+    return {"recomputed_steps": len(dropped), "recomputed_tokens": sum(tokens),
+            "recomputed_flops": sum(model.flops_per_token(r.get("seq_len", cfg.seq_len)) * n
+                                    for r, n in zip(dropped, tokens, strict=True)),
+            "recomputed_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(dropped, tokens, strict=True)), 3)}
+
+
 def _median(values: list[float | None]) -> float | None:
     """The median step's figure, rounded as a record's; None when the steps have none (no device peak)."""
     return None if None in values else round(float(np.median(values)), 5)

@@ -26,36 +26,32 @@ SCALARS = ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "l
            "token_drop_rate")  # of a step's record, to TensorBoard
 
 
-def truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> list[dict]:
-    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them. Under torchrun
-    every rank reads them (for identical alarm decisions) before rank 0 rewrites the file."""
-    kept = (
-        [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto]
-        if path.exists()
-        else []
-    )
+def truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> tuple[list[dict], list[dict]]:
+    """Keep the records of steps <= upto (a resumed run recomputes the rest); return them and the dropped ones.
+    Under torchrun every rank reads them (for identical alarm decisions) before rank 0 rewrites the file."""
+    records = list(map(json.loads, path.read_text().splitlines())) if path.exists() else []
+    kept = [r for r in records if r["step"] <= upto]
     if world is not None:
         torch.distributed.barrier()
     if world is None or world.main:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return kept
+    return kept, records[len(kept):]
 
 
 class RunLog:
     """The records of one run; `kept` holds the steps a resumed run keeps (`resumed_at`: its checkpoint's
-    step), `alarms` every alarm so far."""
+    step), `recomputed` those it drops to train again, `alarms` every alarm so far."""
 
     def __init__(self, work: Path, cfg: TrainConfig, world: parallel.World | None, resumed_at: int | None):
         self.cfg, self.main = cfg, world is None or world.main
         self.metrics_path, self.alarms_path = work / "metrics.jsonl", work / "alarms.jsonl"
         self.start = resumed_at or 0
+        self.kept, self.recomputed = [], []
         if resumed_at is not None:
-            self.kept = truncate_jsonl(self.metrics_path, resumed_at, world)
-        else:
-            self.kept = []
-            if self.main:
-                self.metrics_path.write_text("")
-        self.alarms = truncate_jsonl(self.alarms_path, self.start, world)
+            self.kept, self.recomputed = truncate_jsonl(self.metrics_path, resumed_at, world)
+        elif self.main:
+            self.metrics_path.write_text("")
+        self.alarms = truncate_jsonl(self.alarms_path, self.start, world)[0]
         self.tb = (
             SummaryWriter(str(work / "tensorboard"), purge_step=self.start + 1 if self.start else None)
             if self.main

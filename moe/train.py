@@ -30,7 +30,7 @@ from moeflow.core import faults
 from moeflow.moe import checkpoint, device, ladder, parallel
 from moeflow.moe.alarms import Alarms, Monitor
 from moeflow.moe.data import Sequences
-from moeflow.moe.metrics import Step, group_grad_norms, group_of, rank_metrics, summarise
+from moeflow.moe.metrics import Step, group_grad_norms, group_of, rank_metrics, restart_cost, summarise
 from moeflow.moe.model import Transformer, lm_loss
 from moeflow.moe.optim import adamw, lr_at
 from moeflow.moe.runlog import RunLog
@@ -114,6 +114,8 @@ class Trainer:
 
     def fit(self, stop_after: int | None = None) -> dict | None:
         self.runlog = RunLog(self.work, self.cfg, self.world, self.resume())
+        if self.resumes and "recomputed_steps" not in self.resumes[-1]:
+            self.resumes[-1].update(restart_cost(self.runlog.recomputed, self.model, self.cfg))
         self.alarms.replay(self.runlog.kept)
         with self.runlog.steps():
             for i in range(self.start, self.cfg.steps):

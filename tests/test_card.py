@@ -294,3 +294,14 @@ def test_the_waterfall_gives_every_source_the_same_columns():
                                                              "b": {"kept": 3, "dropped:quality.x": 0}}})
     assert [[s for s, _, _ in r] for r in rows.values()] == [["read", "length", "other", "dedup", "quality"]] * 2
     assert rows["a"][2] == ("other", 1, 5) and rows["b"][2] == ("other", 0, 4)
+
+
+def test_a_resume_is_costed_in_the_card():
+    """A resume names the steps it trained again, their tokens, FLOPs and seconds; one recorded before restarts
+    were costed names its step alone."""
+    from moeflow.card.model_card import _resume
+
+    line = _resume({"from_step": 8, "recomputed_steps": 2, "recomputed_tokens": 4096, "recomputed_flops": 1.5e9,
+                    "recomputed_seconds": 0.42})
+    assert line == "from step 8: 2 steps trained again, 4,096 tokens, 1.5e+09 FLOPs, 0.42 s"
+    assert _resume({"from_step": 8}) == "from step 8"

@@ -61,7 +61,12 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data, tmp_path):
         )  # killed after step 10; last checkpoint: 8
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
     resumed = _train(data, tmp_path / "attempt2", work=work)
-    assert resumed["resumed_from_step"] == 8 and resumed["resumes"] == [{"from_step": 8}]
+    assert resumed["resumed_from_step"] == 8
+    (resume,) = resumed["resumes"]  # steps 9 and 10 were recorded after the checkpoint: trained again
+    step_tokens = whole["tokens"] // whole["steps"]
+    assert {k: resume[k] for k in ("from_step", "recomputed_steps", "recomputed_tokens")} == {
+        "from_step": 8, "recomputed_steps": 2, "recomputed_tokens": 2 * step_tokens}
+    assert resume["recomputed_flops"] == 2 * step_tokens * whole["flops_per_token"] and resume["recomputed_seconds"] > 0
     assert _curve(tmp_path / "attempt2") == _curve(tmp_path / "whole")
     assert resumed["final_loss"] == whole["final_loss"]
     from safetensors.torch import load_file
