@@ -38,6 +38,7 @@ def render_card(graph: dict[str, dict], export: dict | None = None) -> str:
         mix=_mix(g["mix"]["stats"]),
         training_table=_training_table(g),
         health_table=training.health_table(ts),
+        phase_health_table=training.phase_health_table(ts),
         mix_search=training.mix_search(g["mix_search"], g["evaluate"]) if "mix_search" in g else None,
         ladder=training.ladder(g["ladder"], ts, g.get("evaluate")) if "ladder" in g else None,
         ranks=training.ranks(ts["distributed"], train["config"]["model"]) if ts.get("distributed") else None,

@@ -61,7 +61,7 @@ def health(metrics: Path, train_cfg: dict, out: Path) -> list[str]:
     step = np.array([r["step"] for r in rs])
     _loss(rs, step, train_cfg, out / "loss.png")
     _grad_norm(rs, step, train_cfg, out / "grad_norm.png")
-    _balance(rs, step, out / "balance.png")
+    _balance(rs, step, train_cfg, out / "balance.png")
     _expert_load(rs, step, out / "expert_load.png")
     return list(PLOTS)
 
@@ -97,7 +97,7 @@ def _grad_norm(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) ->
     _save(fig, path)
 
 
-def _balance(rs: list[dict], step: np.ndarray, path: Path) -> None:
+def _balance(rs: list[dict], step: np.ndarray, train_cfg: dict, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     imbalance = np.array([r["load_imbalance"] for r in rs], dtype=float)
@@ -105,6 +105,7 @@ def _balance(rs: list[dict], step: np.ndarray, path: Path) -> None:
         ax.plot(step, imbalance[:, layer], lw=0.8, label=f"MoE layer {layer}")
     ax.set_xlabel("step")
     ax.set_ylabel("load imbalance (max / mean)")
+    _marks(ax, train_cfg, rs)
     drop = ax.twinx()
     drop.plot(step, [r["token_drop_rate"] for r in rs], color="tab:red", lw=0.8)
     drop.set_ylabel("token drop rate", color="tab:red")

@@ -47,6 +47,16 @@ def health_table(ts: dict) -> str:
     )
 
 
+def phase_health_table(ts: dict) -> str:
+    """Token drops and load imbalance per curriculum phase and MoE layer (empty for a run recorded before)."""
+    rows = [[p["phase"], p["seq_len"], p["steps"], p["token_drop_rate"], ", ".join(map(str, p["load_imbalance"]))]
+            for p in ts.get("health_by_phase", [])]
+    if not rows:
+        return ""
+    return table(["phase", "context length", "steps", "token drop rate (mean)",
+                  "load imbalance per MoE layer (mean, max/mean)"], rows)
+
+
 def ladder(lad: dict, ts: dict, ev: dict | None) -> dict:
     """The ladder's pre-registered fit and prediction against the loss the run reached: for the additive fit the
     held-out loss averaged over domains (evaluate's), then the final training loss the live band watched."""

@@ -173,6 +173,18 @@ def restart_cost(dropped: list[dict], model: Transformer, cfg: TrainConfig) -> d
             "recomputed_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(dropped, tokens, strict=True)), 3)}
 
 
+def _health_by_phase(records: list[dict]) -> list[dict]:
+    """Per curriculum phase (its context length): its steps, mean token drop rate and mean load imbalance per
+    MoE layer, so a drop or imbalance that grows with the context shows where it starts."""
+    phases: dict[int, list[dict]] = {}
+    for r in records:
+        phases.setdefault(r.get("phase", 0), []).append(r)
+    return [{"phase": p, "seq_len": rs[0].get("seq_len"), "steps": len(rs),
+             "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in rs])), 6),
+             "load_imbalance": [round(float(x), 4) for x in np.mean([r["load_imbalance"] for r in rs], axis=0)]}
+            for p, rs in phases.items()]
+
+
 def _median(values: list[float | None]) -> float | None:
     """The median step's figure, rounded as a record's; None when the steps have none (no device peak)."""
     return None if None in values else round(float(np.median(values)), 5)
@@ -224,6 +236,7 @@ def summarise(
         "final_load_imbalance": last["load_imbalance"],
         "final_tokens_per_expert": last["tokens_per_expert"],
         "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in records])), 6),
+        "health_by_phase": _health_by_phase(records),
         "train_seconds": round(sum(n / r["tokens_per_s"] for r, n in zip(records, step_tokens)), 1),
         "steps_outside_ladder_band": sum(bool(r.get("outside_ladder_band")) for r in records),
         "vocab_size": vocab,

@@ -305,3 +305,13 @@ def test_a_resume_is_costed_in_the_card():
                     "recomputed_seconds": 0.42})
     assert line == "from step 8: 2 steps trained again, 4,096 tokens, 1.5e+09 FLOPs, 0.42 s"
     assert _resume({"from_step": 8}) == "from step 8"
+
+
+def test_health_is_tabled_per_phase_and_layer():
+    from moeflow.card.training import phase_health_table
+
+    text = phase_health_table({"health_by_phase": [
+        {"phase": 0, "seq_len": 64, "steps": 30, "token_drop_rate": 0.0, "load_imbalance": [1.21, 1.4]},
+        {"phase": 1, "seq_len": 256, "steps": 10, "token_drop_rate": 0.012, "load_imbalance": [1.3, 1.55]}]})
+    assert "| 1 | 256 | 10 | 0.012 | 1.3, 1.55 |" in text
+    assert phase_health_table({}) == ""  # a run recorded before: no table

@@ -97,6 +97,13 @@ def test_a_two_phase_mix_trains_and_resumes_across_the_boundary(data, tmp_path):
         {"phase": 1, "start_step": 6, "seq_len": 32},
     ]
     assert whole["tokens"] == 4 * (6 * 16 + 6 * 32)
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    by_phase = [[r for r in records if r["phase"] == p] for p in (0, 1)]
+    assert whole["health_by_phase"] == [  # MoE health summarised per phase (context length) and layer
+        {"phase": p, "seq_len": (16, 32)[p], "steps": 6,
+         "token_drop_rate": round(float(np.mean([r["token_drop_rate"] for r in rs])), 6),
+         "load_imbalance": [round(float(x), 4) for x in np.mean([r["load_imbalance"] for r in rs], axis=0)]}
+        for p, rs in enumerate(by_phase)]
     with pytest.raises(train.StopTraining):
         _train(phased, tmp_path / "attempt1", work=tmp_path / "work", stop_after=10)
     resumed = _train(phased, tmp_path / "attempt2", work=tmp_path / "work")
