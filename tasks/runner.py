@@ -14,6 +14,7 @@ distributed reduce), each part its own artifact, keyed by the parts it reads, th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import shutil
@@ -257,8 +258,9 @@ def _build(
 ) -> Manifest:
     """Verify the inputs, run the stage body in a staging folder, and commit the artifact atomically."""
     earlier = [m for ms in (prior or {}).values() for m in ms]
-    for manifest in [m for _, m in sorted(inputs.items())] + earlier:  # a flipped byte or a cut
-        manifest.verify()  # file upstream fails here, named
+    reads = [m for _, m in sorted(inputs.items())] + earlier
+    for manifest in reads:  # a flipped byte or a cut file upstream fails here, named
+        manifest.verify()
     faults.at("inputs")
     lineage = _lineage(stage, name, cfg, inputs, store, key_record)
     tmp = store.staging(name)
@@ -266,7 +268,10 @@ def _build(
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     try:
-        stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
+        with contextlib.ExitStack() as held:  # an input a rerun replaced while the body read it: said so
+            for manifest in reads:
+                held.enter_context(manifest.reading())
+            stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
         faults.at("written")
         lineage.update(
             {
