@@ -53,10 +53,11 @@ class Stage:
     libraries: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
     fetched: Callable[[Any], dict] | None = None  # (slice) -> identities of the files read outside the store
     resumable: bool = False
-    # the input every document of which the stage reads ("docs": a documents table; "shards": a token
-    # store): its stats record the count as `documents_in` (None: it read none, by its config), and the
-    # runner checks it against that input's recorded `documents_out`
+    # the input all of which the stage reads ("docs": a documents table; "shards": a token store; "mix": its
+    # held-out rows), and what the runner checks: each (the stage's stat, that input's stat, what they count),
+    # equal (None: it read none, by its config; a mapping: by key, as a domain's count)
     reads: str | None = None
+    counts: tuple[tuple[str, str, str], ...] = (("documents_in", "documents_out", "documents"),)
     # a sharded stage: its phases run in order, then `merge(slice, prior, out)` joins them into the artifact,
     # whose key leaves the part counts out (the output is the same for any); a stage with a body runs
     # that instead when every phase has one part. Phase bodies live in the body's module.

@@ -71,6 +71,7 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
     dev = device.resolve(cfg.device or "auto")
     model = load_model(train_dir).to(dev)
     held = HeldOut(mix_dir, cfg.max_sequences_per_domain)
+    read = held.read()
     results = {}
     for domain, picked in held.picked.items():
         rows = held.data[picked]
@@ -81,10 +82,10 @@ def run(cfg: EvalConfig, *, train_dir: Path, mix_dir: Path, out: Path) -> dict:
             "sequences": int(len(rows)),
             "tokens": int(len(rows) * (rows.shape[1] - 1)),
             "documents": len({seg["doc_id"] for i in picked for seg in held.segments[i]}),
-            "heldout_documents": len({seg["doc_id"] for i in held.mine[domain] for seg in held.segments[i]}),
+            "heldout_documents": read["heldout_documents"][domain],
         }
     (out / "eval.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    return {"heldout": results}
+    return {"heldout": results, **read}
 
 
 class HeldOut:
@@ -99,6 +100,13 @@ class HeldOut:
         self.segments = table.column("segments").to_pylist()
         self.mine = {d: np.flatnonzero(domains == d) for d in sorted(set(domains.tolist()))}
         self.picked = {d: m[spread([self.segments[i] for i in m], cap)] for d, m in self.mine.items()}
+
+    def read(self) -> dict:
+        """Each domain's held-out rows and the documents they hold, as the mix records them: the runner checks
+        the two against its record (`Stage.counts`)."""
+        return {"heldout_sequences": {d: len(m) for d, m in self.mine.items()},
+                "heldout_documents": {d: len({s["doc_id"] for i in m for s in self.segments[i]})
+                                      for d, m in self.mine.items()}}
 
 
 @torch.no_grad()

@@ -57,6 +57,9 @@ def _evaluate_config(c: RunConfig) -> EvalConfig:
     return c.evaluate.model_copy(update={"device": c.evaluate.device or c.train.device})
 
 
-# the tokenizer encodes the benchmark requests; pyarrow reads the held-out rows and the benchmark index
+# the tokenizer encodes the benchmark requests; pyarrow reads the held-out rows and the benchmark index. It reads
+# every held-out row of the mix (a domain's loss takes some of them), so the rows and documents count as the mix's
 EVALUATE = Stage("evaluate", _evaluate_config, Lazy("moeflow.moe.evaluate:stage"),
-                 (*TRAIN_LIBS, "tokenizers", "pyarrow"), section="evaluate")
+                 (*TRAIN_LIBS, "tokenizers", "pyarrow"), reads="mix",
+                 counts=(("heldout_sequences", "heldout_sequences", "held-out rows"),
+                         ("heldout_documents", "heldout_documents", "held-out documents")), section="evaluate")

@@ -92,15 +92,42 @@ class Manifest:
             if not matches(folder / rel, meta):
                 raise self._replaced(folder) or corrupt(folder / rel, folder / MANIFEST, self.stage)
 
-    def _replaced(self, folder: Path) -> ArtifactError | None:
-        """The error for a local artifact that a rerun replaced since this manifest was read, if it was."""
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold a local artifact while a stage reads it: a rerun that replaces it meanwhile (the reader may have
+        read some files old and some new, or found one missing mid-swap) raises the error saying so, whatever
+        the reader raised (short of a Ctrl-C) or returned. An object store's artifact is read from this node's
+        verified mirror, not held here (`store.mirror`)."""
+        if self.remote:
+            yield
+            return
+        folder = Path(self.path)
+        held = _identity(folder)
+
+        def replaced() -> ArtifactError | None:
+            return self._replaced(folder, swapped=held is None or _identity(folder) != held)
+
+        try:
+            yield
+        except Exception as e:  # not a Ctrl-C: that stays what it is
+            error = replaced()
+            if error is None:
+                raise
+            raise error from e
+        if (error := replaced()) is not None:
+            raise error
+
+    def _replaced(self, folder: Path, swapped: bool = False) -> ArtifactError | None:
+        """The error for a local artifact that a rerun replaced since this manifest was read, if it was
+        (`swapped`: its folder was, whatever it holds now)."""
+        now = None
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
             now = json.loads((folder / MANIFEST).read_text())["content_hash"]
-            if now != self.content_hash:
-                return ArtifactError(f"{folder} was replaced (a rerun published a new version of {self.name}, "
-                                     f"content {self.content_hash} -> {now}) while this reader held the old "
-                                     "manifest: read the artifact again (run again: it reuses the new one)")
-        return None
+        if not swapped and now in (None, self.content_hash):
+            return None
+        return ArtifactError(f"{folder} was replaced (a rerun published a new version of {self.name}, "
+                             f"content {self.content_hash} -> {now or 'not in place yet'}) while this reader "
+                             "held the old manifest: read the artifact again (run again: it reuses the new one)")
 
 
 class Store:
@@ -222,6 +249,15 @@ def _discard(folder: Path) -> None:
     `moeflow gc` (`gc.stale`: `.*.old`)."""
     threading.Thread(target=shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
                      name=f"discard {folder.name}").start()
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """Which folder is at `folder` (a rerun's commit swaps another in); None: none, mid-swap."""
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _write_synced(path: Path, text: str) -> None:

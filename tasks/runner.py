@@ -14,6 +14,7 @@ distributed reduce), each part its own artifact, keyed by the parts it reads, th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import shutil
@@ -183,24 +184,31 @@ def _run_body(
 
 
 def check_conservation(stage: Stage, inputs: Inputs, stats: dict) -> None:
-    """A stage that reads every document of an input (`Stage.reads`) must record as many as that input
-    recorded as its output."""
+    """A stage that reads all of an input (`Stage.reads`) must record as many as that input recorded
+    (`Stage.counts`: its documents out, or a mix's held-out rows and documents, domain by domain)."""
     source = inputs.get(stage.reads) if stage.reads else None
     if source is None:
         return
-    if "documents_in" not in stats:
-        raise ConservationError(f"stage {stage.name} reads its {stage.reads!r} input but recorded no documents_in")
-    read, written = stats["documents_in"], source.stats.get("documents_out")
-    if read is None:  # it read none, by its config (a tokenizer not trained here)
-        return
-    if written is None:
-        raise ConservationError(f"stage {stage.name}: its input {source.stage}-{source.hash} recorded no "
-                                "documents_out to check its count against")
-    if read != written:
-        raise ConservationError(
-            f"stage {stage.name}: read {read} documents, but its input {source.stage}-{source.hash} "
-            f"recorded {written} output documents"
-        )
+    for mine, theirs, what in stage.counts:
+        if mine not in stats:
+            raise ConservationError(f"stage {stage.name} reads its {stage.reads!r} input but recorded no {mine}")
+        read, written = stats[mine], source.stats.get(theirs)
+        if read is None:  # it read none, by its config (a tokenizer not trained here)
+            continue
+        if written is None:
+            raise ConservationError(f"stage {stage.name}: its input {source.stage}-{source.hash} recorded no "
+                                    f"{theirs} to check its count against")
+        of = ""
+        if isinstance(read, dict):  # by domain: the first that differs names the counts (one absent is 0)
+            differ = [k for k in sorted(read.keys() | written.keys()) if read.get(k, 0) != written.get(k, 0)]
+            if not differ:
+                continue
+            of, read, written = f" of domain {differ[0]!r}", read.get(differ[0], 0), written.get(differ[0], 0)
+        if read != written:
+            raise ConservationError(
+                f"stage {stage.name}: read {read} {what}{of}, but its input {source.stage}-{source.hash} "
+                f"recorded {written} (its {theirs})"
+            )
 
 
 def _lineage(stage: Stage, name: str, cfg: RunConfig, inputs: Inputs, store: Store, parts: dict) -> dict:
@@ -250,8 +258,9 @@ def _build(
 ) -> Manifest:
     """Verify the inputs, run the stage body in a staging folder, and commit the artifact atomically."""
     earlier = [m for ms in (prior or {}).values() for m in ms]
-    for manifest in [m for _, m in sorted(inputs.items())] + earlier:  # a flipped byte or a cut
-        manifest.verify()  # file upstream fails here, named
+    reads = [m for _, m in sorted(inputs.items())] + earlier
+    for manifest in reads:  # a flipped byte or a cut file upstream fails here, named
+        manifest.verify()
     faults.at("inputs")
     lineage = _lineage(stage, name, cfg, inputs, store, key_record)
     tmp = store.staging(name)
@@ -259,7 +268,10 @@ def _build(
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     try:
-        stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
+        with contextlib.ExitStack() as held:  # an input a rerun replaced while the body read it: said so
+            for manifest in reads:
+                held.enter_context(manifest.reading())
+            stats = _run_body(stage, cfg, inputs, tmp, work, part, prior)
         faults.at("written")
         lineage.update(
             {

@@ -34,7 +34,7 @@ def test_a_lost_document_fails_the_next_stage_naming_both_counts(tmp_path, writt
     with pytest.raises(
         ConservationError,
         match=rf"stage dedup: read {written} documents, but its input "
-        rf"filter-{docs.hash} recorded {recorded} output documents",
+        rf"filter-{docs.hash} recorded {recorded} \(its documents_out\)",
     ):
         materialize("dedup", cfg, {"docs": docs})
     assert not list((tmp_path / "store" / "dedup").glob("dedup-*")), "nothing may be published"
@@ -106,7 +106,8 @@ def _lying_copy(store: Store, manifest, extra: int):
 def test_every_reading_stage_is_declared_here():
     from moeflow.tasks.registry import STAGES
 
-    assert {n: s.reads for n, s in STAGES.items() if s.reads} == {n: r for n, (r, _) in READERS.items()}
+    declared = {n: r for n, (r, _) in READERS.items()} | {"evaluate": "mix"}  # the held-out rows: below
+    assert {n: s.reads for n, s in STAGES.items() if s.reads} == declared
 
 
 @pytest.mark.parametrize("stage", sorted(READERS))
@@ -124,7 +125,30 @@ def test_each_reading_stage_checks_its_count_against_its_inputs_record(smoke_run
         inputs["shards"] = _lying_copy(store, Manifest.read(summary["stages"]["tokenize"]["artifact"]), 1)
     read = 3 if reads == "docs" else inputs["shards"].stats["documents_out"] - 1
     with pytest.raises(ConservationError, match=rf"stage {stage}: read {read} documents, but its input "
-                                                rf"\w+-{inputs[reads].hash} recorded {read + 1} output"):
+                                                rf"\w+-{inputs[reads].hash} recorded {read + 1} \(its"):
         materialize(stage, cfg, inputs)
     published = {str(p) for p in (tmp_path / "store" / stage).glob(f"{stage}-*")} - {inputs[reads].path}
     assert not published, "nothing may be published"
+
+
+def test_evaluate_dropping_a_held_out_row_fails_naming_both_counts(smoke_run, tmp_path, monkeypatch):
+    """`evaluate` reads every held-out row of its mix (a domain's loss takes some of them): one it lost is
+    caught by the runner against the rows the mix recorded, and nothing is published."""
+    from types import SimpleNamespace
+
+    from moeflow.moe import evaluate
+    from moeflow.store.local import Manifest
+    from moeflow.tokenize import mix
+
+    path, summary = smoke_run
+    cfg = configs.load(path).model_copy(update={"store": str(tmp_path / "store")})
+    inputs = {name: Manifest.read(summary["stages"][upstream]["artifact"]) for name, upstream in
+              {"model": "train", "mix": "mix", "tokenizer": "tokenizer", "index": "benchmarks"}.items()}
+    first = mix.read(inputs["mix"].dir / "heldout.arrow").column("domain")[0].as_py()
+    recorded = inputs["mix"].stats["heldout_sequences"][first]
+    monkeypatch.setattr(evaluate, "mix", SimpleNamespace(read=lambda p: mix.read(p).slice(1)))  # its first row
+    with pytest.raises(ConservationError, match=rf"stage evaluate: read {recorded - 1} held-out rows of domain "
+                                                rf"'{first}', but its input mix-{inputs['mix'].hash} recorded "
+                                                rf"{recorded} \(its heldout_sequences\)"):
+        materialize("evaluate", cfg, inputs)
+    assert not list((tmp_path / "store").glob("evaluate/evaluate-*")), "nothing may be published"

@@ -234,6 +234,66 @@ def test_a_local_reader_of_an_artifact_a_rerun_replaced_is_told_so(tmp_path):
         made[0].verify()
     made[1].verify()
 
+@pytest.mark.parametrize("rerun", ["mid-swap", "swapped"])
+def test_a_stage_reading_a_local_artifact_that_a_rerun_replaces_is_told_so(tmp_path, monkeypatch, rerun):
+    """A rerun republishes the documents a stage has verified and is about to read, its commit paused with
+    the old folder moved aside and the new one not yet in place (`mid-swap`), or done, the new documents as
+    many as the old (`swapped`): the stage fails with the error saying the artifact was replaced, never a
+    raw FileNotFoundError, nor an artifact built from other bytes than its lineage names; nothing is published."""
+    from moeflow import configs
+    from moeflow.core import faults
+    from moeflow.core.documents import DocWriter
+    from moeflow.tasks.runner import materialize
+
+    cfg = configs.load("smoke", store=str(tmp_path / "store"))
+    store = Store(cfg.store_path())
+
+    def publish(tag: str) -> Manifest:
+        tmp = store.staging("filter")
+        with DocWriter(tmp, rows_per_group=2) as writer:
+            for i in range(6):
+                writer.write({"id": f"s/{tag}{i}", "source": "s", "domain": "d", "path": "p",
+                              "text": f"{tag} {i} " + "the quick brown fox jumps over the lazy dog " * 8})
+        stats = {"documents_in": 6, "documents_out": 6, "fates": {"kept": 6}}
+        return store.commit("filter", "k", tmp, stats, {"stage": "filter", "config": {}, "inputs": {},
+                                                        "finished_at": "t", "started_at": "t"})
+
+    docs = publish("old")
+    aside, release, real_replace, real_at = threading.Event(), threading.Event(), os.replace, faults.at
+    rerun_thread = threading.Thread(target=publish, args=("new",))
+
+    def replace(src, dst):  # the rerun's commit pauses once the old folder is out of the way
+        real_replace(src, dst)
+        if threading.current_thread() is rerun_thread and str(dst).endswith(".old"):
+            aside.set()
+            release.wait(10)
+
+    republished = []
+
+    def at(point: str) -> None:  # verified, about to read: the rerun publishes (once)
+        if point == "inputs" and not republished:
+            republished.append(rerun)
+            if rerun == "mid-swap":
+                rerun_thread.start()
+                assert aside.wait(10)
+            else:
+                publish("new")
+        real_at(point)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(faults, "at", at)
+    try:
+        with pytest.raises(ArtifactError, match=r"filter-k was replaced \(a rerun published a new version of "
+                                                rf"filter-k, content {docs.content_hash} -> "):
+            materialize("filter", cfg, {"docs": docs})
+    finally:
+        release.set()
+        if rerun_thread.is_alive():
+            rerun_thread.join(10)
+    # the input is filter-k, beside any output of this filter stage
+    assert not list((tmp_path / "store" / "filter").glob("filter-[!k]*")), "nothing may be published"
+
+
 def test_a_forced_rerun_commits_without_waiting_for_the_old_folder_to_be_deleted(tmp_path, monkeypatch):
     """A local rerun's commit swaps the new folder in and returns; the replaced one (renamed out of every
     reader's way) is deleted on a thread of its own, and until it is gone `moeflow gc` counts it stale."""
