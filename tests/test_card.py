@@ -294,3 +294,13 @@ def test_the_waterfall_gives_every_source_the_same_columns():
                                                              "b": {"kept": 3, "dropped:quality.x": 0}}})
     assert [[s for s, _, _ in r] for r in rows.values()] == [["read", "length", "other", "dedup", "quality"]] * 2
     assert rows["a"][2] == ("other", 1, 5) and rows["b"][2] == ("other", 0, 4)
+
+
+def test_the_health_table_counts_alarms_by_rule_and_action():
+    """An alarm names its rule and action; one recorded before they were (text only) is counted by its prefix."""
+    from moeflow.card import training
+
+    alarms = [{"step": 3, "alarm": "grad_norm_ceiling: 3.1 > ceiling 3.0", "rule": "grad_norm_ceiling",
+               "reading": 3.1, "action": "log"}, {"step": 9, "alarm": "loss_spike: 9.0 > 1.50 x median 2.0"}]
+    shown = training.health_table({"token_drop_rate": 0.0, "alarms": alarms})
+    assert "grad_norm_ceiling (log) x1, loss_spike x1. First: step 3: grad_norm_ceiling: 3.1 > ceiling 3.0" in shown
