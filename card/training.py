@@ -18,11 +18,13 @@ def hardware(train: dict) -> str:
 
 
 def _alarms(alarms: list[dict], show: int = 5) -> str:
+    """Each rule's count (and action, where recorded), then the first alarms."""
     if not alarms:
         return "none"
     kinds: dict[str, int] = {}
-    for a in alarms:
-        kinds[a["alarm"].split(":")[0]] = kinds.get(a["alarm"].split(":")[0], 0) + 1
+    for a in alarms:  # records before alarms named their rule and action start with the rule
+        kind = a.get("rule", a["alarm"].split(":")[0]) + (f" ({a['action']})" if "action" in a else "")
+        kinds[kind] = kinds.get(kind, 0) + 1
     first = "; ".join(f"step {a['step']}: {a['alarm']}" for a in alarms[:show])
     return (
         ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))

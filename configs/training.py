@@ -75,6 +75,19 @@ class ModelConfig(Frozen):
         return layer >= self.dense_layers and (layer - self.dense_layers) % self.moe_every == 0
 
 
+Action = Literal["log", "stop"]
+
+
+class AlarmActions(Frozen):
+    """What each kind of alarm does: `log` it, or `stop` the run (failing the stage); unset: `alarms.stop`'s."""
+
+    loss_spike: Action | None = None
+    grad_norm: Action | None = None  # the jump against the window
+    grad_norm_ceiling: Action | None = None
+    grad_norm_trend: Action | None = None
+    ladder_band: Action | None = None
+
+
 class AlarmConfig(Frozen):
     window: int = Field(default=20, ge=2)  # steps of history the bands are computed from
     loss_spike: float = Field(default=0.5, gt=0)  # alarm when loss > (1 + this) x the window's median
@@ -83,7 +96,31 @@ class AlarmConfig(Frozen):
     )  # alarm when grad norm > mean + sigma x std of the window
     grad_norm_ratio: float = Field(default=1.5, ge=1)  # ... and > this x the window's mean (a quiet window's
     # std is tiny, and small wobbles would otherwise alarm)
-    stop: bool = False  # stop the run (failing the stage) on the first alarm
+    # alarm when the grad norm crosses this: a slow climb moves the jump rule's window along with it
+    grad_norm_ceiling: float | None = Field(default=None, gt=0)
+    # alarm when the mean grad norm of the last `trend_window` steps crosses this x the mean of the
+    # `trend_window` steps before them
+    grad_norm_trend: float | None = Field(default=None, gt=1)
+    trend_window: int = Field(default=50, ge=2)
+    # the band alarms once `band_patience` of the last `band_of` smoothed steps are outside it (default
+    # `band_of`: `band_patience`, so that many in a row; 1: the first step outside)
+    band_patience: int = Field(default=1, ge=1)
+    band_of: int | None = Field(default=None, ge=1)
+    stop: bool = False  # stop the run (failing the stage) on the first alarm whose kind `actions` leaves unset
+    actions: AlarmActions = AlarmActions()
+
+    @model_validator(mode="after")
+    def _check(self) -> AlarmConfig:
+        if self.band_of is not None and self.band_of < self.band_patience:
+            raise ValueError(
+                f"train.alarms.band_of={self.band_of} must be at least band_patience={self.band_patience} "
+                "(the band alarms once band_patience of the last band_of smoothed steps are outside it)"
+            )
+        return self
+
+    def action(self, rule: str) -> Action:
+        """What an alarm of kind `rule` does."""
+        return getattr(self.actions, rule) or ("stop" if self.stop else "log")
 
 
 class DistributedConfig(Frozen):
@@ -142,7 +179,7 @@ class TrainConfig(Frozen):
     keep_checkpoints: int = operational(2, ge=1)
     log_every: int = operational(10, gt=0)
     # Keyed although they only watch the run: they decide bytes of its artifact (the MFU field of
-    # metrics.jsonl, alarms.jsonl) and, with `alarms.stop`, where it ends. The live view and TensorBoard show
+    # metrics.jsonl, alarms.jsonl) and, with a `stop` action, where it ends. The live view and TensorBoard show
     # them while it runs, so the artifact keeps them as they were; changing them trains again.
     peak_tflops: float | None = Field(default=None, gt=0)  # the device's peak, for MFU; unset: a known GPU's
     alarms: AlarmConfig = AlarmConfig()

@@ -19,6 +19,7 @@ from moeflow.configs import TrainConfig
 from moeflow.core import progress
 from moeflow.core.progress import tqdm
 from moeflow.moe import live, parallel
+from moeflow.moe.alarms import Alarm
 from moeflow.moe.metrics import Step
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class RunLog:
         ):
             yield self
 
-    def alarm(self, step: int, alarm: str) -> None:
-        self.alarms.append({"step": step, "alarm": alarm})
+    def alarm(self, step: int, alarm: Alarm, action: str) -> None:
+        """Record an alarm: its text, the rule that fired, its reading and its action (`log` or `stop`)."""
+        self.alarms.append({"step": step, "alarm": alarm.text, "rule": alarm.rule, "reading": alarm.reading,
+                            "action": action})
         if self.main:
-            log.warning("train: step %d alarm %s", step, alarm)
+            log.warning("train: step %d alarm %s (%s)", step, alarm.text, action)
             with open(self.alarms_path, "a") as f:
                 f.write(json.dumps(self.alarms[-1]) + "\n")
 

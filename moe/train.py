@@ -6,8 +6,9 @@ Legend: B rows of a micro-batch on this rank, S stored row length (model inputs 
 `finish` copies the result into the artifact. Step i reads rows [i*B, (i+1)*B) of the mix's packed
 sequences (moe/data.py), so the data position is the step. Checkpoints (every `checkpoint_every` steps,
 atomic) go to `work/checkpoints`; a run that finds one there resumes from it and reproduces the
-uninterrupted loss curve exactly on CPU. Loss spikes and grad-norm jumps out of their recent band raise
-alarms (logged; optionally stopping the run).
+uninterrupted loss curve exactly on CPU. Loss spikes, grad-norm jumps, a grad norm past its ceiling or trend
+and a loss outside the ladder's band raise alarms (moe/alarms.py), each logged or stopping the run as its kind's
+action says.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainingAlarm(RuntimeError):
-    """A health alarm fired and the config asks to stop on alarms."""
+    """A health alarm fired whose action is `stop`; the message names the step, the rule and its reading."""
 
 
 class StopTraining(Exception):
@@ -216,10 +217,11 @@ class Trainer:
             record["ranks"] = rank_metrics(self.world, s.seconds, len(s.tokens_per_expert))
         alarms = self.alarms.check(s, record)
         for alarm in alarms:  # every rank sees the same values, so every rank decides the same
-            self.runlog.alarm(s.number, alarm)
-            if self.cfg.alarms.stop:
-                raise TrainingAlarm(f"step {s.number}: {alarm}")
-        self.runlog.step(s, record, alarms)
+            action = self.cfg.alarms.action(alarm.rule)
+            self.runlog.alarm(s.number, alarm, action)
+            if action == "stop":
+                raise TrainingAlarm(f"step {s.number}: {alarm.text} (action: stop)")
+        self.runlog.step(s, record, [a.text for a in alarms])
 
     def checkpoint_if_due(self, step: int) -> None:
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:

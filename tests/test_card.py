@@ -315,3 +315,13 @@ def test_health_is_tabled_per_phase_and_layer():
         {"phase": 1, "seq_len": 256, "steps": 10, "token_drop_rate": 0.012, "load_imbalance": [1.3, 1.55]}]})
     assert "| 1 | 256 | 10 | 0.012 | 1.3, 1.55 |" in text
     assert phase_health_table({}) == ""  # a run recorded before: no table
+
+
+def test_the_health_table_counts_alarms_by_rule_and_action():
+    """An alarm names its rule and action; one recorded before they were (text only) is counted by its prefix."""
+    from moeflow.card import training
+
+    alarms = [{"step": 3, "alarm": "grad_norm_ceiling: 3.1 > ceiling 3.0", "rule": "grad_norm_ceiling",
+               "reading": 3.1, "action": "log"}, {"step": 9, "alarm": "loss_spike: 9.0 > 1.50 x median 2.0"}]
+    shown = training.health_table({"token_drop_rate": 0.0, "alarms": alarms})
+    assert "grad_norm_ceiling (log) x1, loss_spike x1. First: step 3: grad_norm_ceiling: 3.1 > ceiling 3.0" in shown

@@ -39,6 +39,28 @@ def test_a_cluster_address_for_another_runner_is_refused(tmp_path):
         configs.load(str(path))
 
 
+
+@pytest.mark.parametrize(
+    "alarms, message",
+    [
+        ({"actions": {"ladder_band": "halt"}}, r"field 'train\.alarms\.actions\.ladder_band'"),
+        ({"actions": {"loss_jump": "stop"}}, r"field 'train\.alarms\.actions\.loss_jump'"),
+        ({"band_patience": 5, "band_of": 3}, r"band_of=3 must be at least band_patience=5"),
+    ],
+)
+def test_alarm_errors_name_the_field(tmp_path, alarms, message):
+    path = write_config(tmp_path / "bad.yaml", train={"alarms": alarms})
+    with pytest.raises(configs.ConfigError, match=message):
+        configs.load(path)
+
+
+def test_alarms_stop_is_the_action_of_every_kind_actions_leaves_unset():
+    from moeflow.configs import AlarmConfig
+
+    assert AlarmConfig().action("ladder_band") == "log"  # today's presets: every alarm logged
+    cfg = AlarmConfig(stop=True, actions={"loss_spike": "log"})
+    assert (cfg.action("loss_spike"), cfg.action("grad_norm_ceiling")) == ("log", "stop")
+
 def test_unknown_preset():
     with pytest.raises(configs.ConfigError, match="no such file or preset"):
         configs.load("huge")

@@ -168,37 +168,74 @@ def test_band_follows_the_ladder_curves(tmp_path):
     assert band.check(4, 2.1) is None and "outside" in band.check(4, 2.5)
 
 
+def _band(folder: Path) -> ladder.Band:
+    """A flat band [2.0, 2.2] over 40 steps."""
+    (folder / "prediction.json").write_text(json.dumps({"band": [2.0, 2.2]}))
+    (folder / "curves.json").write_text(json.dumps([{"fraction": [0.0, 1.0], "ratio": [1.0, 1.0]}]))
+    return ladder.Band(folder, steps=40, tolerance=0.0)
+
+
+def _alarms(band: ladder.Band, **cfg):
+    from moeflow.configs import AlarmConfig
+    from moeflow.moe.alarms import Alarms, Monitor
+
+    return Alarms(Monitor(AlarmConfig(**cfg)), band, warmup_steps=0)
+
+
+def _run(alarms, losses: dict[int, float]) -> tuple[list[dict], list]:
+    """Each step's record and the (step, alarm) pairs the steps fired, for a loss per step."""
+    from moeflow.moe.metrics import Step
+
+    records, fired = [], []
+    for n, ce in losses.items():
+        step = Step(number=n, phase=0, seq_len=8, lr=0.0, micro_batches=1, ce_sum=ce, load_balancing_sum=0.0,
+                    router_z_sum=0.0, logit_z_sum=0.0, grad_norm=1.0, grad_norm_groups={},
+                    tokens_per_expert=[], dropped=0, seconds=1.0, tokens=8, flops_per_token=1)
+        record = {"step": n, "ce": ce, "grad_norm": 1.0}
+        fired += [(n, a) for a in alarms.check(step, record)]
+        records.append(record)
+    return records, fired
+
+
 def test_a_run_resumed_outside_the_band_does_not_alarm_again(tmp_path):
     """Leaving the band alarms once; a run resumed from a checkpoint taken outside it (its records replayed)
     does not alarm again until it has come back in and left once more."""
-    from moeflow.configs import AlarmConfig
-    from moeflow.moe.alarms import Alarms, Monitor
-    from moeflow.moe.metrics import Step
-
-    (tmp_path / "prediction.json").write_text(json.dumps({"band": [2.0, 2.2]}))
-    (tmp_path / "curves.json").write_text(json.dumps([{"fraction": [0.0, 1.0], "ratio": [1.0, 1.0]}]))
-    band = ladder.Band(tmp_path, steps=40, tolerance=0.0)
-
-    def run(alarms: Alarms, losses: dict[int, float]) -> tuple[list[dict], list[str]]:
-        records, fired = [], []
-        for n, ce in losses.items():
-            step = Step(number=n, phase=0, seq_len=8, lr=0.0, micro_batches=1, ce_sum=ce, load_balancing_sum=0.0,
-                        router_z_sum=0.0, logit_z_sum=0.0, grad_norm=1.0, grad_norm_groups={},
-                        tokens_per_expert=[], dropped=0, seconds=1.0, tokens=8, flops_per_token=1)
-            record = {"ce": ce, "grad_norm": 1.0}
-            fired += alarms.check(step, record)
-            records.append(record)
-        return records, fired
-
-    def fresh() -> Alarms:
-        return Alarms(Monitor(AlarmConfig()), band, warmup_steps=0)
-
-    before, fired = run(fresh(), {n: 2.1 if n <= 10 else 3.0 for n in range(1, 21)})  # out from step 11 or so
+    band = _band(tmp_path)
+    before, fired = _run(_alarms(band), {n: 2.1 if n <= 10 else 3.0 for n in range(1, 21)})  # out from step 11 or so
     assert len(fired) == 1
-    resumed = fresh()
+    resumed = _alarms(band)
     resumed.replay(before)
-    assert run(resumed, {n: 3.0 for n in range(21, 26)})[1] == []  # still out: no second alarm
-    assert len(run(resumed, {**{n: 2.1 for n in range(26, 36)}, **{n: 3.0 for n in range(36, 41)}})[1]) == 1
+    assert _run(resumed, {n: 3.0 for n in range(21, 26)})[1] == []  # still out: no second alarm
+    assert len(_run(resumed, {**{n: 2.1 for n in range(26, 36)}, **{n: 3.0 for n in range(36, 41)}})[1]) == 1
+
+
+# two steps of 3.0 keep the smoothed loss (10 steps) at 2.28, above the band, for the 9 steps 12-20
+EXCURSION = {n: 3.0 if n in (11, 12) else 2.1 for n in range(1, 41)}
+
+
+def test_the_band_alarms_only_once_the_smoothed_loss_stays_out_for_band_patience_steps(tmp_path):
+    band = _band(tmp_path)
+    records, fired = _run(_alarms(band), EXCURSION)
+    assert [r["step"] for r in records if r["outside_ladder_band"]] == list(range(12, 21))
+    assert [(n, a.rule) for n, a in fired] == [(12, "ladder_band")]  # by default at the first step out
+    assert _run(_alarms(band, band_patience=10), EXCURSION)[1] == []  # out for fewer than 10 steps
+    [(n, alarm)] = _run(_alarms(band, band_patience=9), EXCURSION)[1]
+    assert (n, alarm.rule, alarm.reading) == (20, "ladder_band", pytest.approx(2.28))
+    assert "9 of the last 9" in alarm.text
+
+
+def test_the_band_alarms_once_band_patience_of_the_last_band_of_steps_are_out(tmp_path):
+    """Two stretches of 9 steps out, 5 steps apart: 12 in a row never happens, 12 of the last 25 does, at the
+    third step of the second stretch; a resumed run's patience counts the replayed steps."""
+    band = _band(tmp_path)
+    twice = {**EXCURSION, 25: 3.0, 26: 3.0}  # out at 12-20 and 26-34
+    assert _run(_alarms(band, band_patience=12), twice)[1] == []
+    records, fired = _run(_alarms(band, band_patience=12, band_of=25), twice)
+    assert [(n, a.rule, a.reading) for n, a in fired] == [(28, "ladder_band", pytest.approx(2.28))]
+    assert "12 of the last 25" in fired[0][1].text
+    resumed = _alarms(band, band_patience=12, band_of=25)
+    resumed.replay(records[:27])  # a checkpoint at step 27: 11 of the 12 steps out are behind it
+    assert _run(resumed, {n: twice[n] for n in range(28, 41)})[1] == fired
 
 
 def test_prediction_is_registered_before_the_target_run(prefect_server, smoke_data, tmp_path):

@@ -192,12 +192,43 @@ def test_alarms_fire_on_a_loss_spike_and_a_grad_norm_jump():
     for i in range(5):
         assert mon.check(2.0 + 0.01 * i, 1.0 + 0.01 * i) == []
     alarms = mon.check(4.0, 9.0)
-    assert [a.split(":")[0] for a in alarms] == ["loss_spike", "grad_norm"]
+    assert [a.rule for a in alarms] == ["loss_spike", "grad_norm"]
     quiet = train.Monitor(AlarmConfig(window=5, grad_norm_sigma=3.0, grad_norm_ratio=1.5))
     for _ in range(5):
         quiet.check(2.0, 1.0)
     assert quiet.check(2.0, 1.2) == []  # above mean + 3 std (std is 0) but within 1.5 x the mean
 
+
+
+def test_a_slow_grad_norm_climb_passes_the_jump_rule_but_not_the_ceiling_or_the_trend():
+    """1% a step: no jump against the window's band, but it crosses a ceiling of 3.0 at step 112 (1.01^111 =
+    3.03; step 111's is 2.996), and the last 20 steps' mean is 1.01^20 = 1.22 x the 20 before's from step 40,
+    the first with 40 steps behind it."""
+    climb = [1.01**i for i in range(200)]
+
+    def fired(**cfg) -> list[tuple[int, str]]:
+        mon = train.Monitor(AlarmConfig(**cfg))
+        return [(n, a.rule) for n, norm in enumerate(climb, 1) for a in mon.check(2.0, norm)]
+
+    assert fired() == []
+    assert fired(grad_norm_ceiling=3.0) == [(112, "grad_norm_ceiling")]  # once, at the crossing
+    assert fired(grad_norm_trend=1.2, trend_window=20) == [(40, "grad_norm_trend")]
+    assert fired(grad_norm_trend=1.25, trend_window=20) == []
+
+
+def test_each_alarm_kind_logs_or_stops_the_run_as_its_action_says(data, tmp_path):
+    """A ceiling every step's grad norm is over fires at step 1: `stop` ends the run there naming the rule, the
+    step and the reading (in the exception and in alarms.jsonl); `log`, even under `alarms.stop`, trains on."""
+    ceiling = {"grad_norm_ceiling": 1e-6}
+    with pytest.raises(train.TrainingAlarm, match=r"step 1: grad_norm_ceiling: [\d.]+ > ceiling 1e-06"):
+        _train(data, tmp_path / "stop", cfg={"alarms": {**ceiling, "actions": {"grad_norm_ceiling": "stop"}}})
+    [alarm] = map(json.loads, (tmp_path / "stop" / "alarms.jsonl").read_text().splitlines())
+    assert (alarm["step"], alarm["rule"], alarm["action"]) == (1, "grad_norm_ceiling", "stop")
+    assert alarm["reading"] > 1e-6
+    summary = _train(data, tmp_path / "log", cfg={
+        "alarms": {**ceiling, "stop": True, "actions": {"grad_norm_ceiling": "log"}}})
+    assert [(a["step"], a["rule"], a["action"]) for a in summary["alarms"]] == [(1, "grad_norm_ceiling", "log")]
+    assert len(_curve(tmp_path / "log")) == 12
 
 _GPU_PARITY = """
 import torch
