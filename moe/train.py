@@ -1,13 +1,13 @@
 """The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume.
 
 Legend: B rows of a micro-batch on this rank, S stored row length (model inputs + 1).
-`run` sets a `Trainer` up, then for each step: `train_step` (forward, backward, clip, update), `log`
-(metrics, alarms, live table: moe/metrics.py, moe/alarms.py, moe/runlog.py) and `checkpoint_if_due`;
-`finish` copies the result into the artifact. Step i reads rows [i*B, (i+1)*B) of the mix's packed
-sequences (moe/data.py), so the data position is the step. Checkpoints (every `checkpoint_every` steps,
-atomic) go to `work/checkpoints`; a run that finds one there resumes from it and reproduces the
-uninterrupted loss curve exactly on CPU. Loss spikes and grad-norm jumps out of their recent band raise
-alarms (logged; optionally stopping the run).
+`run` sets a `Trainer` up, then for each step: `train_step` (forward, backward, clip, update, and the experts'
+bias with `model.router_bias_rate`), `log` (metrics, alarms, live table: moe/metrics.py, moe/alarms.py,
+moe/runlog.py) and `checkpoint_if_due`; `finish` copies the result into the artifact. Step i reads rows [i*B,
+(i+1)*B) of the mix's packed sequences (moe/data.py), so the data position is the step. Checkpoints (every
+`checkpoint_every` steps, atomic) go to `work/checkpoints`; a run that finds one there resumes from it and
+reproduces the uninterrupted loss curve exactly on CPU. Loss spikes and grad-norm jumps out of their recent
+band raise alarms (logged; optionally stopping the run).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class Trainer:
             self.forward_backward(self.data.rows(a, a + self.local), totals)
         groups, grad_norm = self.clip(totals)
         self.opt.step()
-        if self.model_cfg.router_bias_rate is not None:
+        if self.model_cfg.router_bias_rate is not None and totals.tokens_per_expert is not None:
             self.update_router_bias(totals.tokens_per_expert)
         if self.dev.type == "cuda":  # the optimizer's kernels are queued, not done: time them too
             torch.cuda.synchronize(self.dev)
