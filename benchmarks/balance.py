@@ -1,7 +1,7 @@
 """Expert balance and held-out loss of tiny's model under each balancer: none, the Switch loss, DeepSeek-V3's
 auxiliary-loss-free expert bias, its sequence-wise loss.
 
-Run: `python benchmarks/balance.py [--steps 300] [--seed 1234] [--store DIR]`.
+Run: `python benchmarks/balance.py [--steps N] [--seed 1234] [--store DIR]`.
 
 One `moeflow run tiny --until mix` gives the tokenizer and the mix (reused from the store when it holds them);
 then tiny's model and training config (with `--steps`, a run of that many steps on the mix's first rows) train
