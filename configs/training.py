@@ -28,6 +28,11 @@ class ModelConfig(Frozen):
         default=None, gt=0
     )  # default: top_k * expert_hidden (equal active width)
     router_jitter: float = Field(default=0.0, ge=0, lt=1)  # multiplicative input noise while training
+    # DeepSeek-V3's auxiliary-loss-free balancing (torchtitan's `load_balance_coeff`, OLMo-core's `bias_gamma`):
+    # a per-expert bias added to the router's probabilities for the top-k choice only (the weights stay
+    # unbiased), moved by this much after each optimizer step towards the step's mean load,
+    # bias_e += rate * sign(mean load - load_e); none: no bias
+    router_bias_rate: float | None = Field(default=None, gt=0)
     normalize_expert_weights: bool = True  # the top-k routing weights sum to 1
     # true: the LM head is the embedding matrix (GPT-2, nanoGPT); false: its own matrix (Llama, OLMo)
     tie_embeddings: bool = True
@@ -62,6 +67,11 @@ class ModelConfig(Frozen):
         if self.backend == "megablocks" and self.capacity_factor is not None:
             raise ValueError(
                 "capacity_factor is the reference backend's comparison variant; megablocks dMoE is dropless"
+            )
+        if self.backend == "megablocks" and self.router_bias_rate is not None:
+            raise ValueError(
+                "router_bias_rate (auxiliary-loss-free balancing) biases moeflow's router, and backend megablocks "
+                "routes with dMoE's own: use backend: torch, or remove router_bias_rate"
             )
         if self.backend == "megablocks" and self.expert_hidden * self.num_experts < 128:
             raise ValueError(
@@ -173,6 +183,9 @@ class TrainConfig(Frozen):
     # a Switch-style coefficient a per layer is a * (MoE layers) here (0.01 here is 0.01 / L there).
     load_balance_coef: float = Field(default=0.01, ge=0)
     router_z_coef: float = Field(default=0.001, ge=0)
+    # DeepSeek-V3's sequence-wise balance loss: the load-balancing loss of each sequence on its own, averaged over
+    # the sequences (and the MoE layers), so no single sequence crowds a few experts
+    sequence_balance_coef: float = Field(default=0.0, ge=0)
     logit_z_coef: float = Field(default=0.0, ge=0)  # z-loss on the LM head's logits
     # exact resume makes the checkpoint cadence invisible in the weights
     checkpoint_every: int = operational(100, gt=0)

@@ -13,7 +13,8 @@ The reference model maps onto `Qwen2MoeForCausalLM` exactly (up to float32 round
 Experts are written per expert (`mlp.experts.{e}.gate_proj.weight`, ...), the layout Qwen2-MoE checkpoints
 are published in and vLLM reads; `transformers` fuses them on load. What cannot map is refused before any
 work (`unmappable`): a plain GELU MLP (`glu: false`), a class head (`output_classes`), the LM head's bias
-(`unigram_head_bias`; the architecture's head has none, and adding it moves logits by about its size).
+(`unigram_head_bias`; the architecture's head has none, and adding it moves logits by about its size), the
+router's expert bias (`router_bias_rate`; Qwen2-MoE's gate chooses by its probabilities alone).
 A capacity-factor model exports: it drops tokens only while training, and both it and the export are dropless
 in evaluation.
 """
@@ -54,6 +55,10 @@ def unmappable(model: ModelConfig) -> list[str]:
         why.append("model.output_classes (a class head, for mixture-search proxies): remove it")
     if model.unigram_head_bias:
         why.append("model.unigram_head_bias: true (Qwen2-MoE's LM head has no bias): set it to false")
+    if model.router_bias_rate is not None:
+        why.append("model.router_bias_rate (auxiliary-loss-free balancing: Qwen2-MoE's gate has no bias for the "
+                   "choice of experts): remove it, and balance with train.load_balance_coef or "
+                   "train.sequence_balance_coef")
     return why
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from moeflow.configs import ModelConfig
 from moeflow.moe.experts import Experts, SharedExpert
-from moeflow.moe.losses import load_balancing_loss, router_z_loss
+from moeflow.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from moeflow.moe.router import TopKRouter
 
 
@@ -27,7 +27,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = cfg.num_experts, cfg.top_k, cfg.capacity_factor
         self.router = TopKRouter(cfg.d_model, cfg.num_experts, cfg.top_k, jitter=cfg.router_jitter,
-                                 normalize=cfg.normalize_expert_weights)
+                                 normalize=cfg.normalize_expert_weights, bias_rate=cfg.router_bias_rate)
         self.experts = Experts(cfg.num_experts, cfg.d_model, cfg.expert_hidden, cfg.glu)
         self.shared_expert = (
             SharedExpert(cfg.d_model, cfg.shared_expert_hidden, cfg.glu) if cfg.shared_expert_hidden else None
@@ -35,7 +35,7 @@ class MoE(nn.Module):
         self.world = None  # under torchrun: the `parallel.World` (experts split across ranks, global counts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """x [..., D] -> (y [..., D], aux losses and metrics of this call)."""
+        """x [B, S, D] or [T, D] (one sequence) -> (y shaped as x, aux losses and metrics of this call)."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)
@@ -64,6 +64,8 @@ class MoE(nn.Module):
         )  # every rank's tokens
         aux = {
             "load_balancing_loss": load_balancing_loss(probs_TE=r.probs_TE, tokens_per_expert_E=counts_E),
+            "sequence_balancing_loss": sequence_balancing_loss(
+                probs_TE=r.probs_TE, experts_TK=r.experts_TK, sequences=shape[0] if len(shape) > 2 else 1),
             "router_z_loss": router_z_loss(logits_TE=r.logits_TE),
             "tokens_per_expert": counts_E.detach(),
             "dropped": (routed_E - tokens_per_expert_E).sum().detach(),

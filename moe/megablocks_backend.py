@@ -27,7 +27,7 @@ from torch import nn
 
 from moeflow.configs import ModelConfig
 from moeflow.moe.layer import MoE
-from moeflow.moe.losses import load_balancing_loss, router_z_loss
+from moeflow.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 
 INSTALL = (
     "on a CUDA machine, against the torch already installed: pip install --no-build-isolation --no-deps "
@@ -128,6 +128,8 @@ class MegaBlocksMoE(nn.Module):
             "load_balancing_loss": load_balancing_loss(
                 probs_TE=seen["scores"], tokens_per_expert_E=tokens_per_expert_E
             ),
+            "sequence_balancing_loss": sequence_balancing_loss(
+                probs_TE=seen["scores"], experts_TK=seen["experts"], sequences=shape[0] if len(shape) > 2 else 1),
             "router_z_loss": router_z_loss(logits_TE=seen["logits"]),
             "tokens_per_expert": tokens_per_expert_E.detach(),
             "dropped": torch.zeros((), dtype=torch.long, device=x.device),

@@ -1,12 +1,12 @@
 """What training measures: each step's line of `metrics.jsonl`, gradient norms per parameter group, under
 torchrun each rank's timings and expert load, and the summary of a whole run.
 
-A step's record holds: loss, cross-entropy, load-balancing, router z and logit z losses, grad norm (total
-and per parameter group), learning rate, tokens/s (the whole batch's, over every rank), achieved TFLOP/s per
-device and MFU (when the device's peak is configured or known), tokens per expert per MoE layer, load
-imbalance (max/mean) and token drop rate. MFU is per device: the step's model FLOPs (6 x active parameters +
-attention, per token, times the batch's tokens) over its time on rank 0, divided by the number of devices
-that shared them and by one device's peak.
+A step's record holds: loss, cross-entropy, load-balancing (over the batch and per sequence), router z and logit
+z losses, grad norm (total and per parameter group), learning rate, tokens/s (the whole batch's, over every
+rank), achieved TFLOP/s per device and MFU (when the device's peak is configured or known), tokens per expert
+per MoE layer, load imbalance (max/mean) and token drop rate. MFU is per device: the step's model FLOPs (6 x
+active parameters + attention, per token, times the batch's tokens) over its time on rank 0, divided by the
+number of devices that shared them and by one device's peak.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Step:
     # each loss term summed over the micro-batches (under torchrun: its mean over ranks)
     ce_sum: float
     load_balancing_sum: float
+    sequence_balancing_sum: float
     router_z_sum: float
     logit_z_sum: float
     grad_norm: float
@@ -79,12 +80,14 @@ class Step:
             "loss": round(
                 self.ce
                 + cfg.load_balance_coef * self.load_balancing_sum / n
+                + cfg.sequence_balance_coef * self.sequence_balancing_sum / n
                 + cfg.router_z_coef * self.router_z_sum / n
                 + cfg.logit_z_coef * self.logit_z_sum / n,
                 5,
             ),
             "ce": round(self.ce, 5),
             "load_balancing_loss": round(self.load_balancing_sum / n, 5),
+            "sequence_balancing_loss": round(self.sequence_balancing_sum / n, 5),
             "router_z_loss": round(self.router_z_sum / n, 5),
             "logit_z_loss": round(self.logit_z_sum / n, 5),
             "grad_norm": round(self.grad_norm, 5),

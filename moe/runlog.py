@@ -23,8 +23,8 @@ from moeflow.moe.alarms import Alarm
 from moeflow.moe.metrics import Step
 
 log = logging.getLogger(__name__)
-SCALARS = ("loss", "ce", "load_balancing_loss", "router_z_loss", "grad_norm", "lr", "tokens_per_s",
-           "token_drop_rate")  # of a step's record, to TensorBoard
+SCALARS = ("loss", "ce", "load_balancing_loss", "sequence_balancing_loss", "router_z_loss", "grad_norm", "lr",
+           "tokens_per_s", "token_drop_rate")  # of a step's record, to TensorBoard
 
 
 def truncate_jsonl(path: Path, upto: int, world: parallel.World | None = None) -> tuple[list[dict], list[dict]]:

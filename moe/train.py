@@ -1,6 +1,7 @@
 """The training loop: AdamW, warmup + cosine or WSD, clipping, accumulation, checkpoints, exact resume.
 
 Legend: B rows of a micro-batch on this rank, S stored row length (model inputs + 1).
+<<<<<<< HEAD
 `run` sets a `Trainer` up, then for each step: `train_step` (forward, backward, clip, update), `log`
 (metrics, alarms, live table: moe/metrics.py, moe/alarms.py, moe/runlog.py) and `checkpoint_if_due`;
 `finish` copies the result into the artifact. Step i reads rows [i*B, (i+1)*B) of the mix's packed
@@ -9,6 +10,15 @@ atomic) go to `work/checkpoints`; a run that finds one there resumes from it and
 uninterrupted loss curve exactly on CPU. Loss spikes, grad-norm jumps, a grad norm past its ceiling or trend
 and a loss outside the ladder's band raise alarms (moe/alarms.py), each logged or stopping the run as its kind's
 action says.
+=======
+`run` sets a `Trainer` up, then for each step: `train_step` (forward, backward, clip, update, and the experts'
+bias with `model.router_bias_rate`), `log` (metrics, alarms, live table: moe/metrics.py, moe/alarms.py,
+moe/runlog.py) and `checkpoint_if_due`; `finish` copies the result into the artifact. Step i reads rows [i*B,
+(i+1)*B) of the mix's packed sequences (moe/data.py), so the data position is the step. Checkpoints (every
+`checkpoint_every` steps, atomic) go to `work/checkpoints`; a run that finds one there resumes from it and
+reproduces the uninterrupted loss curve exactly on CPU. Loss spikes and grad-norm jumps out of their recent
+band raise alarms (logged; optionally stopping the run).
+>>>>>>> auxfree
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ class _Totals:
 
     ce: float = 0.0
     load_balancing: float = 0.0
+    sequence_balancing: float = 0.0
     router_z: float = 0.0
     logit_z: float = 0.0
     tokens_per_expert: torch.Tensor | None = None  # [MoE layer, expert]
@@ -156,12 +167,15 @@ class Trainer:
             self.forward_backward(self.data.rows(a, a + self.local), totals)
         groups, grad_norm = self.clip(totals)
         self.opt.step()
+        if self.model_cfg.router_bias_rate is not None and totals.tokens_per_expert is not None:
+            self.update_router_bias(totals.tokens_per_expert)
         if self.dev.type == "cuda":  # the optimizer's kernels are queued, not done: time them too
             torch.cuda.synchronize(self.dev)
         seconds = time.perf_counter() - t0
         return Step(
             number=i + 1, phase=int(self.data.phase[first]), seq_len=seq_len, lr=lr,
             micro_batches=cfg.grad_accum, ce_sum=totals.ce, load_balancing_sum=totals.load_balancing,
+            sequence_balancing_sum=totals.sequence_balancing,
             router_z_sum=totals.router_z, logit_z_sum=totals.logit_z, grad_norm=grad_norm,
             grad_norm_groups=groups,
             tokens_per_expert=totals.tokens_per_expert.tolist() if totals.tokens_per_expert is not None else [],
@@ -175,17 +189,19 @@ class Trainer:
         with _autocast(cfg.precision, self.dev.type):
             batch_BS = device.batch(rows, self.dev)
             ce, auxes, logit_z = lm_loss(self.model, batch_BS, logit_z=cfg.logit_z_coef > 0)
-        lb = torch.stack([a["load_balancing_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
-        z = torch.stack([a["router_z_loss"] for a in auxes]).mean() if auxes else ce.new_zeros(())
-        loss = ce + cfg.load_balance_coef * lb + cfg.router_z_coef * z + cfg.logit_z_coef * logit_z
+        lb, seq, z = (torch.stack([a[k] for a in auxes]).mean() if auxes else ce.new_zeros(())
+                      for k in ("load_balancing_loss", "sequence_balancing_loss", "router_z_loss"))
+        loss = (ce + cfg.load_balance_coef * lb + cfg.sequence_balance_coef * seq + cfg.router_z_coef * z
+                + cfg.logit_z_coef * logit_z)
         (loss / cfg.grad_accum).backward()
         dropped = torch.stack([a["dropped"] for a in auxes]).sum() if auxes else ce.new_zeros(())
         # one host sync for the micro-batch's terms (one per term and layer costs a GPU its queue)
-        values = torch.stack([v.detach().float() for v in (ce, lb, z, logit_z, dropped)]).tolist()
-        t.ce, t.load_balancing, t.router_z, t.logit_z = (
-            t.ce + values[0], t.load_balancing + values[1], t.router_z + values[2], t.logit_z + values[3]
+        values = torch.stack([v.detach().float() for v in (ce, lb, seq, z, logit_z, dropped)]).tolist()
+        t.ce, t.load_balancing, t.sequence_balancing, t.router_z, t.logit_z = (
+            t.ce + values[0], t.load_balancing + values[1], t.sequence_balancing + values[2],
+            t.router_z + values[3], t.logit_z + values[4]
         )
-        t.dropped += round(values[4])
+        t.dropped += round(values[5])
         if auxes:
             counts = torch.stack([a["tokens_per_expert"] for a in auxes])
             t.tokens_per_expert = counts if t.tokens_per_expert is None else t.tokens_per_expert + counts
@@ -205,10 +221,18 @@ class Trainer:
             [p for p in self.model.parameters() if p.grad is not None], self.cfg.grad_clip, torch.tensor(total)
         )
         groups = {g: round(math.sqrt(v), 5) for g, v in sorted(squares.items())}
-        means = self.world.mean([t.ce, t.load_balancing, t.router_z, t.logit_z, t.dropped])
-        t.ce, t.load_balancing, t.router_z, t.logit_z = means[:4]
-        t.dropped = round(means[4] * self.world.size)
+        means = self.world.mean([t.ce, t.load_balancing, t.sequence_balancing, t.router_z, t.logit_z, t.dropped])
+        t.ce, t.load_balancing, t.sequence_balancing, t.router_z, t.logit_z = means[:5]
+        t.dropped = round(means[5] * self.world.size)
         return groups, total
+
+    def update_router_bias(self, tokens_per_expert_LE: torch.Tensor) -> None:
+        """Move each MoE layer's expert bias towards its mean load over the step (`model.router_bias_rate`).
+
+        The counts are every rank's (the layer all-reduces them), so the ranks' biases stay identical."""
+        routers = [block.moe.router for block in self.model.blocks if hasattr(block, "moe")]
+        for router, load_E in zip(routers, tokens_per_expert_LE, strict=True):
+            router.update_bias(load_E)
 
     def log(self, s: Step) -> None:
         """The step's record and alarms (stopping the run on one if the config says so)."""

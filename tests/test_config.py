@@ -122,3 +122,10 @@ def test_a_config_is_parsed_by_libyaml_and_a_bad_one_quoted_by_the_python_parser
     (tmp_path / "broken.yaml").write_text("name: tiny\ntrain: [1, 2\n")
     with pytest.raises(configs.ConfigError, match=r"(?s)broken\.yaml: not valid YAML: .*\n +train: \[1, 2\n +\^"):
         configs.load(tmp_path / "broken.yaml")
+
+
+def test_the_expert_bias_is_refused_with_megablocks_whose_router_is_dmoe_s(tmp_path):
+    path = write_config(tmp_path / "c.yaml", model={"backend": "megablocks", "router_bias_rate": 1e-3})
+    with pytest.raises(configs.ConfigError, match=r"router_bias_rate.*backend megablocks routes with dMoE's own"):
+        configs.load(path)
+    assert configs.load(write_config(tmp_path / "d.yaml", model={"router_bias_rate": 1e-3})).model.router_bias_rate

@@ -143,6 +143,7 @@ def test_autotokenizer_gives_moeflows_ids(tmp_path):
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("glu", False, "model.glu"),
     ("unigram_head_bias", True, "model.unigram_head_bias"),
+    ("router_bias_rate", 1e-3, "model.router_bias_rate"),
 ])
 def test_a_model_the_export_cannot_write_is_refused_before_any_work(tmp_path, field, value, named):
     path = write_config(tmp_path / "c.yaml", model={field: value})

@@ -189,6 +189,7 @@ def _run(alarms, losses: dict[int, float]) -> tuple[list[dict], list]:
     records, fired = [], []
     for n, ce in losses.items():
         step = Step(number=n, phase=0, seq_len=8, lr=0.0, micro_batches=1, ce_sum=ce, load_balancing_sum=0.0,
+                    sequence_balancing_sum=0.0,
                     router_z_sum=0.0, logit_z_sum=0.0, grad_norm=1.0, grad_norm_groups={},
                     tokens_per_expert=[], dropped=0, seconds=1.0, tokens=8, flops_per_token=1)
         record = {"step": n, "ce": ce, "grad_norm": 1.0}

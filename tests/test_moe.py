@@ -8,7 +8,7 @@ from moeflow.configs import ModelConfig
 from moeflow.moe import experts as experts_module
 from moeflow.moe.experts import GroupedMLP, grouped_linear
 from moeflow.moe.layer import MoE
-from moeflow.moe.losses import load_balancing_loss, router_z_loss
+from moeflow.moe.losses import load_balancing_loss, router_z_loss, sequence_balancing_loss
 from moeflow.moe.model import Transformer
 
 
@@ -108,6 +108,56 @@ def test_aux_losses_on_hand_computed_cases():
     assert load_balancing_loss(probs_TE=skewed, tokens_per_expert_E=torch.tensor([8, 8, 0, 0])).item() == 2.0
     logits = torch.zeros(3, 4)
     torch.testing.assert_close(router_z_loss(logits_TE=logits), torch.log(torch.tensor(4.0)) ** 2)
+
+
+def test_the_sequence_balancing_loss_on_a_hand_computed_case():
+    # two sequences of two tokens, two experts, top-1; E / (S*K) = 1
+    probs_TE = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.8, 0.2]])
+    experts_TK = torch.tensor([[0], [0], [1], [0]])
+    # sequence 0: counts (2, 0), mean p (0.75, 0.25): 1.5; sequence 1: counts (1, 1), mean p (0.55, 0.45): 1.0
+    got = sequence_balancing_loss(probs_TE=probs_TE, experts_TK=experts_TK, sequences=2)
+    torch.testing.assert_close(got, torch.tensor(1.25))
+    # over the batch as one: counts (3, 1), mean p (0.65, 0.35): 2 / 4 * 2.3
+    torch.testing.assert_close(load_balancing_loss(probs_TE=probs_TE, tokens_per_expert_E=torch.tensor([3, 1])),
+                               torch.tensor(1.15))
+    torch.testing.assert_close(sequence_balancing_loss(probs_TE=probs_TE, experts_TK=experts_TK, sequences=1),
+                               torch.tensor(1.15))
+
+
+def test_the_layer_reports_the_sequence_balancing_loss_of_its_rows():
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(d_model=8, n_heads=2, num_experts=4, top_k=2, expert_hidden=4))
+    x_BSD = torch.randn(3, 5, 8)
+    per_row = torch.stack([layer(row)[1]["load_balancing_loss"] for row in x_BSD]).mean()
+    torch.testing.assert_close(layer(x_BSD)[1]["sequence_balancing_loss"], per_row)
+
+
+def _imbalance(layer: MoE, x_TD: torch.Tensor) -> float:
+    counts_E = layer(x_TD)[1]["tokens_per_expert"].float()
+    return (counts_E.max() / counts_E.mean()).item()
+
+
+def test_the_expert_bias_evens_a_skewed_router_and_leaves_the_weights_unbiased():
+    """A router that sends nearly every token to experts 0 and 1: 100 bias updates on the same tokens bring
+    the load near even, while the weights of the chosen experts stay their unbiased probabilities."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, num_experts=4, top_k=2, expert_hidden=8, router_bias_rate=0.01)
+    layer = MoE(cfg)
+    x_TD = torch.randn(256, 16) + 1.0  # every token shares a direction the router's rows 0 and 1 favour
+    with torch.no_grad():
+        layer.router.layer.weight[0] += 0.2
+        layer.router.layer.weight[1] += 0.1
+    assert _imbalance(layer, x_TD) > 1.95  # 2 is every token on experts 0 and 1 (T of an even T*K/E = T/2)
+    for _ in range(100):
+        layer.router.update_bias(layer(x_TD)[1]["tokens_per_expert"])
+    assert _imbalance(layer, x_TD) < 1.2
+    assert layer.router.expert_bias[0] < 0 < layer.router.expert_bias[3]
+    r = layer.router(x_TD)
+    torch.testing.assert_close(r.weights_TK, (lambda p: p / p.sum(-1, keepdim=True))(
+        r.probs_TE.gather(-1, r.experts_TK)))
+    assert not r.experts_TK.eq(r.probs_TE.topk(2).indices).all()  # the bias, not the probabilities, chose
+    assert "router.expert_bias" in layer.state_dict()
+    assert "router.expert_bias" not in MoE(cfg.model_copy(update={"router_bias_rate": None})).state_dict()
 
 
 def test_gradients_match_finite_differences():

@@ -40,9 +40,9 @@ def single(data, tmp_path_factory):
     return out, train.run(MODEL, TrainConfig(**BASE), seed=7, mix_dir=data, tokenizer_dir=data, out=out)
 
 
-def _torchrun(data, out: Path, **distributed) -> dict:
+def _torchrun(data, out: Path, model: ModelConfig = MODEL, **distributed) -> dict:
     cfg = TrainConfig(**BASE, distributed={"nproc_per_node": 2, **distributed})
-    return launch.torchrun(MODEL, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=out / "work")
+    return launch.torchrun(model, cfg, seed=7, mix_dir=data, tokenizer_dir=data, out=out, work=out / "work")
 
 
 def _records(folder: Path) -> list[dict]:
@@ -113,6 +113,17 @@ def test_two_ranks_with_expert_parallelism_give_the_single_process_run(data, sin
 def test_data_parallel_with_replicated_experts_gives_the_single_process_run(data, single, tmp_path):
     _torchrun(data, tmp_path, expert_parallel=False)
     _assert_same_run(single[0], tmp_path)
+
+
+@pytest.mark.check
+def test_the_expert_bias_moves_alike_on_two_ranks_and_in_one_process(data, tmp_path):
+    """`router_bias_rate`: each rank moves its copy of the bias by every rank's load, so the ranks route alike and
+    the run is the single process's, biases included."""
+    model = MODEL.model_copy(update={"router_bias_rate": 1e-2})
+    train.run(model, TrainConfig(**BASE), seed=7, mix_dir=data, tokenizer_dir=data, out=tmp_path / "one")
+    _torchrun(data, tmp_path / "two", model)
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert load_file(str(tmp_path / "two" / "model.safetensors"))["blocks.0.moe.router.expert_bias"].any()
 
 
 @pytest.mark.check

@@ -52,15 +52,18 @@ def _curve(folder):
     ]
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(data, tmp_path):
-    whole = _train(data, tmp_path / "whole")
+@pytest.mark.parametrize("model", [MODEL, MODEL.model_copy(update={"router_bias_rate": 1e-2})],
+                         ids=["default", "expert_bias"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(data, tmp_path, model):
+    """With `router_bias_rate` the experts' biases, moved after every step, come back from the checkpoint too."""
+    whole = _train(data, tmp_path / "whole", model=model)
     work = tmp_path / "work"
     with pytest.raises(train.StopTraining):
         _train(
-            data, tmp_path / "attempt1", work=work, stop_after=10
+            data, tmp_path / "attempt1", work=work, stop_after=10, model=model
         )  # killed after step 10; last checkpoint: 8
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
-    resumed = _train(data, tmp_path / "attempt2", work=work)
+    resumed = _train(data, tmp_path / "attempt2", work=work, model=model)
     assert resumed["resumed_from_step"] == 8
     (resume,) = resumed["resumes"]  # steps 9 and 10 were recorded after the checkpoint: trained again
     step_tokens = whole["tokens"] // whole["steps"]
@@ -76,6 +79,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(data, tmp_path):
         load_file(str(tmp_path / "attempt2" / "model.safetensors")),
     )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    biases = [k for k in wa if k.endswith("router.expert_bias")]
+    assert len(biases) == (2 if model.router_bias_rate else 0)
+    assert all(wa[k].abs().sum() > 0 for k in biases)  # updated by the trainer, saved, restored
 
 
 def test_a_two_phase_mix_trains_and_resumes_across_the_boundary(data, tmp_path):
@@ -141,6 +147,17 @@ def test_gradient_accumulation_matches_the_full_batch(data, tmp_path):
         [c for _, c, _ in _curve(tmp_path / "one")], [c for _, c, _ in _curve(tmp_path / "acc")], rtol=1e-4
     )
     assert one["steps"] == acc["steps"]
+
+
+def test_the_sequence_balancing_loss_is_in_the_loss_and_its_gradient(data, tmp_path):
+    _train(data, tmp_path / "off", cfg={"steps": 2})
+    _train(data, tmp_path / "on", cfg={"steps": 2, "sequence_balance_coef": 1.0})
+    first = json.loads((tmp_path / "on" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["sequence_balancing_loss"] > 1.0  # 1 is even routing within every sequence
+    assert first["loss"] == pytest.approx(first["ce"] + 0.01 * first["load_balancing_loss"] + 0.001 *
+                                          first["router_z_loss"] + first["sequence_balancing_loss"], abs=1e-4)
+    off, on = _curve(tmp_path / "off"), _curve(tmp_path / "on")
+    assert off[0][1] == on[0][1] and off[1][1] != on[1][1]  # the first update differs
 
 
 def test_capacity_factor_drops_and_reports_it():
