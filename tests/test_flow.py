@@ -670,7 +670,7 @@ def test_training_alarms_show_in_the_live_table_and_the_run_log_as_they_fire(col
     for a in alarms[-10:]:
         assert f"- step {a['step']}: {a['alarm']}" in md
     for a in alarms:
-        assert f"train: step {a['step']} alarm {a['alarm']}" in logs
+        assert f"train: step {a['step']} alarm {a['alarm']} ({a['action']})" in logs
 
 
 def _scores(summary: dict) -> dict:
