@@ -127,6 +127,7 @@ def test_ls_lists_an_object_stores_artifacts(s3, capsys):
     assert rows["ingest-k2"][-2:] == ["b", "-"] and len(rows) == 2
 
 
+@pytest.mark.check  # a launch or several processes against the S3 server: the slower tier
 def test_gc_on_an_object_store_removes_superseded_data_after_the_grace_period_not_before(
         s3, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MOEFLOW_GRACE_SECONDS", "4")
@@ -161,6 +162,7 @@ def test_gc_on_an_object_store_removes_superseded_data_after_the_grace_period_no
     store.get("mix", "k").verify()
 
 
+@pytest.mark.check  # a launch or several processes against the S3 server: the slower tier
 def test_gc_on_an_object_store_waits_for_the_runs_using_it_and_runs_wait_for_gc(s3):
     store = ObjectStore(f"{_bucket(s3)}/store")
     order: list[str] = []

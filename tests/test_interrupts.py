@@ -297,6 +297,7 @@ def test_a_killed_run_leaves_no_temporary_server(tmp_path):
         time.sleep(0.2)
 
 
+@pytest.mark.check  # a temporary Prefect server of its own, started and stopped: the slower tier
 def test_a_run_with_its_own_server_starts_no_other(smoke_data, tmp_path):
     """`moeflow run` without a configured server starts one and points every thread of the run at it: the
     process pool's message forwarder, which reads Prefect's process-wide settings, started a temporary server

@@ -253,6 +253,7 @@ time.sleep(30)  # a long stretch without output (logging every N steps; an evalu
 """
 
 
+@pytest.mark.check  # a launch or several processes against the S3 server: the slower tier
 def test_a_lost_lease_stops_torchrun_within_seconds(tmp_path):
     """The build's lease taken by another writer while torchrun trains without printing: LeaseLost stops torchrun
     and its ranks within seconds, instead of waiting in the launcher's output loop for their next line."""
@@ -296,6 +297,7 @@ open(os.environ["DONE"] + os.environ["RANK"], "w").write(str(time.monotonic() - 
 """
 
 
+@pytest.mark.check  # a launch or several processes against the S3 server: the slower tier
 def test_a_slow_checkpoint_upload_does_not_stall_torchruns_output(tmp_path, monkeypatch):
     """Sharing a checkpoint with the object store takes 3 s and is due every 0.5 s: torchrun's ranks still
     write 1 MB of output each (16 pipe buffers) at once, their output read on while the upload runs."""
