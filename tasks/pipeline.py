@@ -106,8 +106,8 @@ class Pipeline:
     def _phases(self, stage: str, cfg: RunConfig, inputs: Inputs, task_, force: bool,
                 label: str) -> dict[str, list[Manifest]] | None:
         """A sharded stage whose joined artifact is not stored yet: each phase's parts as concurrent tasks
-        on the runner (a phase of one part in this process), each its own artifact, a phase starting when the
-        one before has finished."""
+        on the runner (a planning phase in this process), each its own artifact, a phase starting when the one
+        before has finished."""
         st = STAGES[stage]
         if not st.phases:
             return None
@@ -124,7 +124,7 @@ class Pipeline:
                     one = task_.with_options(task_run_name=f"{name}[{r}/{n}]")
                     kwargs = {"stage_name": stage, "cfg": cfg, "inputs": inputs, "force": force,
                               "part": (phase.name, r, n), "prior": prior}
-                    pooled = runner and n > 1  # a phase of one part (ingest's plan) here: no process to start
+                    pooled = runner and not phase.plans  # a plan (a listing) here: no process to start for it
                     states.append(runner.submit(one, kwargs) if pooled else one(**kwargs, return_state=True))
                 return self._record_parts([(f"{name}[{r}/{n}]", s) for r, s in enumerate(states)])
 
