@@ -33,7 +33,7 @@ from moeflow.core.ledger import Ledger
 from moeflow.core.progress import tqdm
 from moeflow.dedup import edited, formats, review
 from moeflow.dedup.lookup import SortedHashes
-from moeflow.ingest import lines
+from moeflow.ingest import lines, parquet
 from moeflow.ingest.errors import READ_ERRORS, why
 from moeflow.sources import fetch
 from moeflow.tokenize.ngrams import WORD, ngram_hashes, normalised, window_hashes, windows, word_hashes, words
@@ -126,9 +126,7 @@ def _local(bench: BenchmarkConfig) -> Iterator[tuple[str, str, dict]]:
         if path.suffix == ".parquet":
             f = pq.ParquetFile(path)
             for g in range(f.metadata.num_row_groups):
-                group = f.metadata.row_group(g)
-                bound.check(group.total_byte_size, sum(group.column(c).total_compressed_size
-                                                       for c in range(group.num_columns)), path)
+                parquet.check_group(f.metadata.row_group(g), bound, path)
             rows = f.read().to_pylist()
         else:
             rows = []

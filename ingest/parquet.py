@@ -29,9 +29,7 @@ def rows(path: Path, groups: tuple[int, int] | None, bound: Bound
     for g in range(lo, hi):
         stop = n + counts[g]
         try:
-            group = meta.row_group(g)
-            bound.check(group.total_byte_size, sum(group.column(c).total_compressed_size
-                                                   for c in range(group.num_columns)), path)
+            check_group(meta.row_group(g), bound, path)
             for batch in f.iter_batches(batch_size=1024, row_groups=[g]):
                 for row in batch.to_pylist():
                     n += 1
@@ -40,6 +38,13 @@ def rows(path: Path, groups: tuple[int, int] | None, bound: Bound
             for m in range(n + 1, stop + 1):
                 yield m, Quarantine(reason(e), f"row {m} of {meta.num_rows}: {why(e)}")
         n = stop
+
+
+def check_group(group: pq.RowGroupMetaData, bound: Bound, path: Path) -> None:
+    """Raise `DecompressionBomb` if a row group's footer gives it more uncompressed bytes than `bound` allows for
+    its compressed ones."""
+    bound.check(group.total_byte_size, sum(group.column(c).total_compressed_size for c in range(group.num_columns)),
+                path)
 
 
 def row_groups(path: Path) -> list[int]:
